@@ -1,0 +1,84 @@
+"""kvflow: move LLM KV cache between prefill and decode workers, from asyncio."""
+
+from __future__ import annotations
+
+from ._datadist import LinkInfo, LlmDataDist
+from ._run import run
+from ._status import (
+    RETRYABLE_CODES,
+    LLMAlreadyLink,
+    LLMClusterNumExceedLimit,
+    LLMException,
+    LLMExistLink,
+    LLMFailed,
+    LLMFeatureNotEnabled,
+    LLMKvCacheNotExist,
+    LLMLinkBusy,
+    LLMLinkFailed,
+    LLMLinkStateError,
+    LLMNotYetLink,
+    LLMOutOfMemory,
+    LLMParamInvalid,
+    LLMStatusCode,
+    LLMTimeoutError,
+    LLMUnlinkFailed,
+    LLMWaitProcessTimeout,
+)
+from ._types import (
+    Cache,
+    CacheDesc,
+    CacheIndex,
+    ClusterInfo,
+    DataType,
+    IpInfo,
+    KvCacheExtParam,
+    LlmRole,
+    Placement,
+)
+from .transport import available_transports
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "RETRYABLE_CODES",
+    "Cache",
+    "CacheDesc",
+    "CacheIndex",
+    "ClusterInfo",
+    "DataType",
+    "IpInfo",
+    "KvCacheExtParam",
+    "LLMAlreadyLink",
+    "LLMClusterNumExceedLimit",
+    "LLMException",
+    "LLMExistLink",
+    "LLMFailed",
+    "LLMFeatureNotEnabled",
+    "LLMKvCacheNotExist",
+    "LLMLinkBusy",
+    "LLMLinkFailed",
+    "LLMLinkStateError",
+    "LLMNotYetLink",
+    "LLMOutOfMemory",
+    "LLMParamInvalid",
+    "LLMStatusCode",
+    "LLMTimeoutError",
+    "LLMUnlinkFailed",
+    "LLMWaitProcessTimeout",
+    "LinkInfo",
+    "LlmDataDist",
+    "LlmRole",
+    "Placement",
+    "__version__",
+    "available_transports",
+    "run",
+)
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__") and getattr(_obj, "__module__", "").startswith("kvflow._"):
+        try:
+            _obj.__module__ = "kvflow"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

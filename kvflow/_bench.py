@@ -1,0 +1,262 @@
+"""``kvflow bench``: kvflow beside a raw baseline measured in the same run, between two processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from ._datadist import LlmDataDist
+from ._proc import PeerProcess, recv_from_parent
+from ._types import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmRole
+
+GiB = 1 << 30
+BLOCK_SIZES = (16 << 10, 256 << 10, 4 << 20)
+LAT_BLOCK = 4 << 10
+RAW_CHUNK = 1 << 20  # the raw baseline's send/recv size: the fastest plain-socket setting measured here
+_RAW = struct.Struct("<BQ")  # op, nbytes; op 1 = send me nbytes, 2 = take nbytes, 3 = 4 KiB ping
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    transport: str
+    op: str
+    block: str
+    kvflow: float
+    raw: float
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        if self.unit == "GiB/s":
+            return self.kvflow / self.raw if self.raw else 0.0
+        return self.raw / self.kvflow if self.kvflow else 0.0
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _caches(total: int) -> list[tuple[str, CacheDesc]]:
+    out = [(_fmt_size(b), CacheDesc(1, DataType.DT_UINT8, [total // b, b])) for b in BLOCK_SIZES]
+    out.append(("lat", CacheDesc(1, DataType.DT_UINT8, [256, LAT_BLOCK])))
+    return out
+
+
+def _raw_server(lsock: socket.socket, buf: memoryview) -> None:
+    """Plain blocking-socket peer for the raw baseline (a thread of the serving process)."""
+    conn, _ = lsock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    hdr = bytearray(_RAW.size)
+    lat = buf[:LAT_BLOCK]
+    with conn:
+        while True:
+            got = 0
+            while got < len(hdr):
+                n = conn.recv_into(memoryview(hdr)[got:])
+                if not n:
+                    return
+                got += n
+            op, nbytes = _RAW.unpack(hdr)
+            if op == 1:
+                for o in range(0, nbytes, RAW_CHUNK):
+                    conn.sendall(buf[o : min(o + RAW_CHUNK, nbytes)])
+            elif op == 2:
+                _recv_all(conn, buf[:nbytes])
+                conn.sendall(b"k")
+            elif op == 3:
+                conn.sendall(lat)
+
+
+def _recv_all(conn: socket.socket, mv: memoryview) -> None:
+    got = 0
+    while got < len(mv):
+        n = conn.recv_into(mv[got:], min(RAW_CHUNK, len(mv) - got))
+        if not n:
+            raise ConnectionError("raw peer closed")
+        got += n
+
+
+async def _serve(conn: Connection) -> None:
+    args = conn.recv()
+    total, transports = args["total"], args["transports"]
+    buf = np.zeros(total, dtype=np.uint8)
+    buf[:: 4096] = np.arange(buf[:: 4096].size, dtype=np.uint64).astype(np.uint8)
+    lsock = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_server, args=(lsock, memoryview(buf)), daemon=True).start()
+    servers = {}
+    for t in transports:
+        dd = LlmDataDist(1, LlmRole.PROMPT)
+        await dd.initialize({"llm.ListenIpInfo": "127.0.0.1:0", "kvflow.Transports": t})
+        ids = {name: (await dd.register_kv_cache(desc, [buf])).cache_id for name, desc in _caches(total)}
+        servers[t] = dd
+        conn.send({"transport": t, "address": dd.listen_address, "caches": ids})
+    conn.send({"raw_port": lsock.getsockname()[1], "pid": os.getpid()})
+    await recv_from_parent(conn)
+    for dd in servers.values():
+        await dd.finalize()
+
+
+def _best(samples: list[float]) -> float:
+    return min(samples)
+
+
+async def _kv_throughput(dd: LlmDataDist, remote: CacheIndex, cache: Any, desc: CacheDesc, op: str,
+                         scattered: bool, repeat: int) -> float:
+    n = desc.num_blocks
+    rng = np.random.default_rng(0)
+    src = rng.permutation(n) if scattered else np.arange(n)
+    dst = rng.permutation(n) if scattered else np.arange(n)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        if op == "pull":
+            await dd.pull_kv_blocks(remote, cache, src, dst, timeout_in_millis=120_000)
+        else:
+            await dd.push_kv_blocks(cache, remote, src, dst, timeout_in_millis=120_000)
+        times.append(time.perf_counter() - t0)
+    return desc.tensor_bytes / _best(times) / GiB
+
+
+def _raw_throughput(sock: socket.socket, buf: memoryview, nbytes: int, op: str, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        if op == "pull":
+            sock.sendall(_RAW.pack(1, nbytes))
+            _recv_all(sock, buf[:nbytes])
+        else:
+            sock.sendall(_RAW.pack(2, nbytes))
+            for o in range(0, nbytes, RAW_CHUNK):
+                sock.sendall(buf[o : min(o + RAW_CHUNK, nbytes)])
+            _recv_all(sock, memoryview(bytearray(1)))
+        times.append(time.perf_counter() - t0)
+    return nbytes / _best(times) / GiB
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.array(samples), q)) * 1e6
+
+
+async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, lat_iters: int = 2000,
+                    progress: Any = None) -> list[Row]:
+    """Measure every transport against its raw baseline; returns the rows of the table."""
+    peer = PeerProcess(_serve)
+    rows: list[Row] = []
+    try:
+        peer.send({"total": total, "transports": transports})
+        infos = [await peer.recv(60) for _ in transports]
+        meta = await peer.recv(60)
+        buf = np.zeros(total, dtype=np.uint8)
+        raw = socket.create_connection(("127.0.0.1", meta["raw_port"]))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rawbuf = memoryview(buf)
+        baselines = {"tcp": ("raw socket", _RawSocket(raw, rawbuf, repeat))}
+        for info in infos:
+            t = info["transport"]
+            base_name, base = baselines.get(t) or _plugin_baseline(t, meta["pid"], buf, repeat)
+            dd = LlmDataDist(2, LlmRole.DECODER)
+            await dd.initialize({"kvflow.Transports": t})
+            locals_ = {name: await dd.register_kv_cache(desc, [buf]) for name, desc in _caches(total)}
+            ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
+            if ret[0] != 0:
+                raise RuntimeError(f"bench link over {t} failed: {ret[0].name}")
+            for name, desc in _caches(total):
+                if name == "lat":
+                    continue
+                for op in ("pull", "push"):
+                    scattered = desc.stride == BLOCK_SIZES[0]
+                    ci = CacheIndex(1, info["caches"][name])
+                    kv = await _kv_throughput(dd, ci, locals_[name], desc, op, scattered, repeat)
+                    rb = base.throughput(desc.tensor_bytes, desc.stride, op)
+                    label = f"{name} scattered" if scattered else name
+                    rows.append(Row(t, op, label, kv, rb, "GiB/s"))
+                    if progress:
+                        progress(rows[-1])
+            ci = CacheIndex(1, info["caches"]["lat"])
+            cache = locals_["lat"]
+            lat = []
+            for i in range(lat_iters + 200):
+                t0 = time.perf_counter()
+                await dd.pull_kv_blocks(ci, cache, [i % 256], [(i * 7) % 256])
+                if i >= 200:
+                    lat.append(time.perf_counter() - t0)
+            rlat = base.latency(lat_iters)
+            for q, label in ((50, "p50"), (99, "p99")):
+                rows.append(Row(t, f"4 KiB pull {label}", "4 KiB", _pct(lat, q), _pct(rlat, q), "us"))
+                if progress:
+                    progress(rows[-1])
+            await dd.finalize()
+        raw.close()
+    finally:
+        peer.stop()
+    return rows
+
+
+class _RawSocket:
+    """Raw baseline: the same bytes over a plain blocking socket between the same two processes."""
+
+    def __init__(self, sock: socket.socket, buf: memoryview, repeat: int) -> None:
+        self.sock, self.buf, self.repeat = sock, buf, repeat
+
+    def throughput(self, nbytes: int, block: int, op: str) -> float:
+        return _raw_throughput(self.sock, self.buf, nbytes, op, self.repeat)
+
+    def latency(self, iters: int) -> list[float]:
+        out = []
+        req = _RAW.pack(3, LAT_BLOCK)
+        mv = self.buf[:LAT_BLOCK]
+        for i in range(iters + 200):
+            t0 = time.perf_counter()
+            self.sock.sendall(req)
+            _recv_all(self.sock, mv)
+            if i >= 200:
+                out.append(time.perf_counter() - t0)
+        return out
+
+
+def _plugin_baseline(name: str, pid: int, buf: np.ndarray, repeat: int) -> tuple[str, Any]:
+    """A transport plugin's own raw baseline (``<module>.bench.baseline(pid, buf, repeat)``)."""
+    from importlib import import_module
+
+    from .transport import load_transport
+
+    mod = import_module(load_transport(name).__module__.split(".")[0] + ".bench")
+    return mod.BASELINE_NAME, mod.baseline(pid, buf, repeat)
+
+
+def format_rows(rows: list[Row]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        out.append([r.transport, r.op, r.block, f"{r.kvflow:.2f} {r.unit}", f"{r.raw:.2f} {r.unit}",
+                    f"{r.ratio:.2f}"])
+    return out
+
+
+def write_json(path: str, rows: list[Row], meta: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, f, indent=2)
+
+
+def main_bench(transports: list[str], total: int, repeat: int) -> list[Row]:
+    from ._run import run
+
+    return run(run_bench(transports, total, repeat))
+
+
+if __name__ == "__main__":
+    rows = main_bench(["tcp"], 256 << 20, 2)
+    for r in format_rows(rows):
+        print(" | ".join(r))
+    _ = asyncio

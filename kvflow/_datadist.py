@@ -1,0 +1,816 @@
+"""LlmDataDist: the public API (argument checks, links, transfers)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from . import _wire as wire
+from ._compat import TIMEOUT_ERRORS
+from ._compat import timeout as timeout_after
+from ._link import Link, LinkState, StreamChannel, describe_local, open_socket
+from ._memory import LocalCache, Registry
+from ._options import Options, parse_options
+from ._plan import Plan, block_list, layer_tensors, plan_blocks, plan_cache
+from ._status import (
+    LLMAlreadyLink,
+    LLMClusterNumExceedLimit,
+    LLMException,
+    LLMFailed,
+    LLMFeatureNotEnabled,
+    LLMKvCacheNotExist,
+    LLMLinkFailed,
+    LLMNotYetLink,
+    LLMOutOfMemory,
+    LLMParamInvalid,
+    LLMStatusCode,
+    LLMTimeoutError,
+    LLMWaitProcessTimeout,
+)
+from ._types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, LlmRole
+from .transport import RemoteCache, RunBatch, Transport, TransportContext, load_transport
+
+log = logging.getLogger("kvflow")
+
+MAX_CLUSTERS_PER_CALL = 16
+_PULL, _PUSH = "pull", "push"
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """What kvflow knows about one link (``LlmDataDist.link_info``)."""
+
+    remote_cluster_id: int
+    transport: str
+    state: str
+    initiator: bool
+    fallbacks: dict[str, str] = field(default_factory=dict)  # transport -> why it was not used
+
+
+def _check_int(name: str, value: Any, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
+        raise LLMParamInvalid(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+    return int(value)
+
+
+class LlmDataDist:
+    """Moves KV cache between this process and linked peers.
+
+    ``cluster_id`` must be unique among linked peers; ``role`` is a label only.
+    """
+
+    def __init__(self, cluster_id: int, role: LlmRole = LlmRole.MIX, *,
+                 options: Mapping[str, str] | None = None) -> None:
+        self.cluster_id = _check_int("cluster_id", cluster_id)
+        try:
+            self.role = LlmRole(role)
+        except ValueError:
+            raise LLMParamInvalid(f"unknown role {role!r}") from None
+        self._init_options = options
+        self._opts = Options()
+        self._registry = Registry()
+        self._links: dict[int, Link] = {}
+        self._linking: set[int] = set()
+        self._transports: dict[str, Transport] = {}
+        self._order: tuple[str, ...] = ()
+        self._server: socket.socket | None = None
+        self._accepting: set[asyncio.Task[Any]] = set()
+        self._data_waiters: dict[bytes, asyncio.Future[socket.socket]] = {}
+        self._instance = os.urandom(8).hex()
+        self._initialized = False
+        self._finalized = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        state = "ready" if self._initialized else ("finalized" if self._finalized else "new")
+        return (f"<LlmDataDist cluster={self.cluster_id} {self.role.name} {state} "
+                f"links={len(self._links)} caches={len(self._registry)}>")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def initialize(self, options: Mapping[str, str] | None = None) -> None:
+        """Parse options, start the transports and (with ``llm.ListenIpInfo``) the listener.
+
+        A second call is a no-op, as in LLM-DataDist."""
+        if self._initialized:
+            return
+        if self._finalized:
+            raise LLMFailed("this LlmDataDist was finalized; create a new one")
+        opts = parse_options(options if options is not None else self._init_options)
+        self._loop = asyncio.get_running_loop()
+        ctx_opts = {k: v for k, v in opts.transport_options.items()}
+        transports: dict[str, Transport] = {}
+        for name in opts.transports:
+            try:
+                cls = load_transport(name)
+            except LLMFeatureNotEnabled as exc:
+                if opts.transports_pinned and len(opts.transports) == 1:
+                    raise
+                log.info("transport %s not used: %s", name, exc.args[0])
+                continue
+            transports[name] = cls(TransportContext(self.cluster_id, ctx_opts, self._registry, self._instance))
+        if not transports:
+            raise LLMFeatureNotEnabled(f"none of the transports {', '.join(opts.transports)} can run here")
+        self._opts = opts
+        self._transports = transports
+        self._order = tuple(transports)
+        if opts.listen is not None:
+            self._server = self._listen(opts.listen)
+        self._initialized = True
+        log.info("cluster %d initialized: transports %s, listening on %s",
+                 self.cluster_id, ",".join(self._order), self.listen_address)
+
+    async def finalize(self) -> None:
+        """Close every link (locally), the listener, the transports; unregister every cache."""
+        if not self._initialized:
+            self._finalized = True
+            return
+        self._initialized = False
+        self._finalized = True
+        if self._server is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._server.fileno())
+            self._server.close()
+            self._server = None
+        for task in list(self._accepting):
+            task.cancel()
+        for fut in self._data_waiters.values():
+            fut.cancel()
+        links = list(self._links.values())
+        self._links.clear()
+        for link in links:
+            link.close("finalized", notify=True)
+        for link in links:
+            await link.wait_closed()
+        for local in list(self._registry):
+            self._drop_cache(local)
+        for t in self._transports.values():
+            try:
+                await t.close()
+            except Exception:
+                log.exception("closing transport %s", t.name)
+        self._transports.clear()
+
+    async def __aenter__(self) -> LlmDataDist:
+        await self.initialize()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.finalize()
+
+    def _ready(self) -> None:
+        if not self._initialized:
+            raise LLMFailed("LlmDataDist is not initialized (call initialize first)")
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """(ip, port) the instance listens on, once initialized with ``llm.ListenIpInfo``."""
+        if self._server is None:
+            return None
+        host, port = self._server.getsockname()[:2]
+        return host, port
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """The transports this instance offers, in order of preference."""
+        return self._order
+
+    def _deadline(self, timeout_in_millis: int | None) -> float:
+        if timeout_in_millis is None:
+            return self._opts.sync_wait_ms / 1000
+        return _check_int("timeout_in_millis", timeout_in_millis, 1, 24 * 3600 * 1000) / 1000
+
+    # ------------------------------------------------------------------ caches
+    async def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
+                                cfg: Any = None) -> Cache:
+        """Register ``num_tensors`` tensors (int addresses, buffers or ``data_ptr()`` objects)."""
+        self._ready()
+        if not isinstance(cache_desc, CacheDesc):
+            raise LLMParamInvalid(f"cache_desc must be a CacheDesc, got {type(cache_desc).__name__}")
+        local = self._registry.add(cache_desc, addrs)
+        try:
+            for name, t in self._transports.items():
+                if cache_desc.placement and not t.supports_device_memory:
+                    local.descs[name] = [None] * len(local.regions)
+                    continue
+                descs = t.register(local)
+                if len(descs) != len(local.regions):
+                    raise LLMFailed(f"transport {name} returned {len(descs)} descriptors")
+                local.descs[name] = list(descs)
+        except BaseException:
+            self._drop_cache(local)
+            raise
+        return local.cache
+
+    async def unregister_kv_cache(self, cache_id: int, *, timeout_in_millis: int | None = None) -> None:
+        """Unregister a cache; waits (bounded) for peers' transfers that use it. Unknown ids succeed."""
+        self._ready()
+        _check_int("cache_id", cache_id, 1)
+        local = self._registry._caches.get(cache_id)
+        if local is None or local.closing:
+            return
+        local.closing = True  # new peer requests now get LLM_KV_CACHE_NOT_EXIST
+        timeout = self._deadline(timeout_in_millis)
+        assert self._loop is not None
+        deadline = self._loop.time() + timeout
+        notes = [link.request({"op": "gone", "cache_id": cache_id}, timeout)
+                 for link in self._links.values() if link.healthy]
+        if notes:
+            results = await asyncio.gather(*notes, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, LLMException):
+                    raise r
+        if local.inflight:
+            local.idle = asyncio.Event()
+            try:
+                async with timeout_after(max(0.0, deadline - self._loop.time())):
+                    await local.idle.wait()
+            except TIMEOUT_ERRORS:
+                owners = [o for o in local.pins if o is not None and hasattr(o, "close")]
+                log.warning("unregister of cache %d: %d transfer(s) still running after %.1f s; "
+                            "closing the data connections that hold them", cache_id, local.inflight, timeout)
+                for owner in owners:
+                    owner.close(LLMKvCacheNotExist(f"cache {cache_id} was unregistered during the transfer"))
+                if local.inflight:
+                    local.closing = False
+                    raise LLMWaitProcessTimeout(
+                        f"cache {cache_id} is still in use by {local.inflight} local transfer(s)") from None
+        self._drop_cache(local)
+
+    def _drop_cache(self, local: LocalCache) -> None:
+        for t in self._transports.values():
+            try:
+                t.unregister(local)
+            except Exception:
+                log.exception("transport %s failed to unregister cache %d", t.name, local.cache_id)
+        self._registry.pop(local.cache_id)
+
+    def _local(self, cache: Cache, what: str) -> LocalCache:
+        if not isinstance(cache, Cache):
+            raise LLMParamInvalid(f"{what} must be a Cache returned by register_kv_cache")
+        local = self._registry.get(cache.cache_id)
+        return local
+
+    # ------------------------------------------------------------------ links
+    async def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000
+                                ) -> list[LLMStatusCode]:
+        """Link to each cluster's listen address; one status per cluster (never raises on link failure)."""
+        self._ready()
+        clusters = self._check_clusters(clusters)
+        timeout = _check_int("timeout_in_millis", timeout_in_millis, 1, 3_600_000) / 1000
+        results = await asyncio.gather(*(self._link_one(c, timeout) for c in clusters))
+        return list(results)
+
+    def _check_clusters(self, clusters: Sequence[ClusterInfo]) -> list[ClusterInfo]:
+        if isinstance(clusters, ClusterInfo) or not isinstance(clusters, Sequence):
+            raise LLMParamInvalid("clusters must be a list of ClusterInfo")
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            raise LLMClusterNumExceedLimit(
+                f"{len(clusters)} clusters in one call; at most {MAX_CLUSTERS_PER_CALL}")
+        seen: set[int] = set()
+        for c in clusters:
+            if not isinstance(c, ClusterInfo):
+                raise LLMParamInvalid(f"expected ClusterInfo, got {type(c).__name__}")
+            _check_int("remote_cluster_id", c.remote_cluster_id)
+            if c.remote_cluster_id in seen:
+                raise LLMParamInvalid(f"cluster {c.remote_cluster_id} appears twice in one call")
+            seen.add(c.remote_cluster_id)
+        return list(clusters)
+
+    async def _link_one(self, info: ClusterInfo, timeout: float) -> LLMStatusCode:
+        cid = info.remote_cluster_id
+        if len(info.remote_ip_infos) != 1:
+            log.warning("link to cluster %d: exactly one remote_ip_infos entry is needed", cid)
+            return LLMStatusCode.LLM_PARAM_INVALID
+        ip = info.remote_ip_infos[0]
+        try:
+            address = wire_address(ip.ip, ip.port)
+        except LLMParamInvalid as exc:
+            log.warning("link to cluster %d: %s", cid, exc)
+            return LLMStatusCode.LLM_PARAM_INVALID
+        existing = self._links.get(cid)
+        if existing is not None and existing.healthy:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        if cid in self._linking:
+            return LLMStatusCode.LLM_PROCESSING_LINK
+        if cid == self.cluster_id:
+            log.warning("refusing to link cluster %d to itself", cid)
+            return LLMStatusCode.LLM_PARAM_INVALID
+        self._linking.add(cid)
+        try:
+            async with timeout_after(timeout):
+                link = await self._dial(cid, address, info.local_ip_infos[0].ip if info.local_ip_infos else None,
+                                        timeout)
+        except TIMEOUT_ERRORS:
+            log.warning("link to cluster %d at %s:%d timed out after %.3f s", cid, *address, timeout)
+            return LLMStatusCode.LLM_LINK_FAILED
+        except LLMException as exc:
+            log.warning("link to cluster %d at %s:%d failed: %s", cid, *address, exc)
+            return exc.status_code
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            log.warning("link to cluster %d at %s:%d failed: %s", cid, *address, exc)
+            return LLMStatusCode.LLM_LINK_FAILED
+        finally:
+            self._linking.discard(cid)
+        self._install(link)
+        return LLMStatusCode.LLM_SUCCESS
+
+    async def _dial(self, cid: int, address: tuple[str, int], local_ip: str | None, timeout: float) -> Link:
+        sock = await open_socket(address, local_ip)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            candidates = [[n, t.describe()] for n, t in self._transports.items()]
+            writer.write(wire.MAGIC_CONTROL + wire.pack({
+                "t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": self.cluster_id, "expect": cid,
+                "instance": self._instance, "transports": candidates,
+                "auth": self._opts.auth_key is not None,
+            }))
+            msg = await wire.read_frame(reader)
+            if msg["t"] == "challenge":
+                writer.write(wire.pack({"t": "auth", "mac": self._mac(wire.field(msg, "nonce", bytes))}))
+                msg = await wire.read_frame(reader)
+            if msg["t"] == "reject":
+                code = LLMStatusCode.of(wire.field(msg, "code", int))
+                raise _rejected(code, str(msg.get("msg", "")))
+            if msg["t"] != "welcome":
+                raise wire.ProtocolError(f"expected welcome, got {msg['t']!r}")
+            if msg.get("v") != wire.PROTOCOL_VERSION:
+                raise LLMLinkFailed(f"protocol version mismatch: peer speaks {msg.get('v')!r}, "
+                                    f"we speak {wire.PROTOCOL_VERSION}")
+            if wire.field(msg, "cluster", int) != cid:
+                raise LLMLinkFailed(f"peer at {address[0]}:{address[1]} is cluster {msg['cluster']}, not {cid}")
+            fallbacks = {str(k): str(v) for k, v in wire.field(msg, "skipped", dict).items()}
+            chosen = None
+            for entry in wire.field(msg, "accepted", list):
+                if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                        and isinstance(entry[1], dict)):
+                    raise wire.ProtocolError("malformed transport entry in welcome")
+                name, peer_info = entry
+                t = self._transports.get(name)
+                if t is None:
+                    continue
+                reason = t.check_peer(peer_info)
+                if reason is None:
+                    chosen = (name, peer_info)
+                    break
+                fallbacks[name] = reason
+            if chosen is None:
+                writer.write(wire.pack({"t": "choose", "transport": None}))
+                raise LLMLinkFailed(f"no transport both sides can use ({fallbacks})")
+            name, peer_info = chosen
+            for skipped, why in fallbacks.items():
+                log.info("link to cluster %d: %s not used: %s", cid, skipped, why)
+            writer.write(wire.pack({"t": "choose", "transport": name}))
+            token = wire.field(msg, "token", bytes)
+            channel = StreamChannel(True, cid, token, address=address)
+            endpoint = await self._transports[name].connect(peer_info, channel)
+            ready = await wire.read_frame(reader)
+            if ready["t"] != "ready":
+                await _close_endpoint(endpoint)
+                raise _rejected(LLMStatusCode.of(ready.get("code", LLMStatusCode.LLM_LINK_FAILED)),
+                                str(ready.get("msg", "peer failed to connect")))
+            link = Link(remote_cluster_id=cid, peer_instance=str(wire.field(msg, "instance", str)),
+                        initiator=True, transport=name, reader=reader, writer=writer, handler=self._handle,
+                        heartbeat_interval=self._opts.heartbeat_interval_ms / 1000,
+                        heartbeat_timeout=self._opts.heartbeat_timeout_ms / 1000, fallbacks=fallbacks)
+            channel.link = link
+            link.start(endpoint)
+            if channel.early_failure is not None:
+                link.mark_broken(channel.early_failure)
+            return link
+        except BaseException:
+            writer.close()
+            raise
+
+    def _install(self, link: Link) -> None:
+        old = self._links.get(link.remote_cluster_id)
+        if old is not None and old is not link:
+            old.close("replaced by a new link")
+            asyncio.ensure_future(old.wait_closed())
+        self._links[link.remote_cluster_id] = link
+        link.on_peer_bye = self._peer_left
+        log.info("linked with cluster %d over %s", link.remote_cluster_id, link.transport)
+
+    def _peer_left(self, link: Link) -> None:
+        if self._links.get(link.remote_cluster_id) is link:
+            del self._links[link.remote_cluster_id]
+        log.info("cluster %d finalized; link removed", link.remote_cluster_id)
+
+    def _mac(self, nonce: bytes) -> bytes:
+        key = self._opts.auth_key or b""
+        return hmac.new(key, nonce, "sha256").digest()
+
+    async def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000,
+                                  force: bool = False) -> list[LLMStatusCode]:
+        """Tear links down; non-force tells the peer, force closes only this side."""
+        self._ready()
+        clusters = self._check_clusters(clusters)
+        timeout = _check_int("timeout_in_millis", timeout_in_millis, 1, 3_600_000) / 1000
+        return list(await asyncio.gather(*(self._unlink_one(c.remote_cluster_id, timeout, force)
+                                           for c in clusters)))
+
+    async def _unlink_one(self, cid: int, timeout: float, force: bool) -> LLMStatusCode:
+        link = self._links.get(cid)
+        if link is None:
+            return LLMStatusCode.LLM_NOT_YET_LINK
+        status = LLMStatusCode.LLM_SUCCESS
+        link.closing = True
+        if not force and link.healthy:
+            try:
+                await link.request({"op": "bye"}, timeout)
+            except LLMException as exc:
+                log.warning("unlink of cluster %d: peer did not confirm: %s", cid, exc)
+                status = LLMStatusCode.LLM_UNLINK_FAILED
+        if self._links.get(cid) is link:
+            del self._links[cid]
+        link.close("unlinked")
+        await link.wait_closed()
+        return status
+
+    def link_info(self, cluster_id: int) -> LinkInfo:
+        """State and transport of the link to ``cluster_id`` (LLMNotYetLink if there is none)."""
+        link = self._links.get(cluster_id)
+        if link is None:
+            raise LLMNotYetLink(f"no link to cluster {cluster_id}")
+        return LinkInfo(link.remote_cluster_id, link.transport, link.state.value, link.initiator,
+                        dict(link.fallbacks))
+
+    def _link(self, cluster_id: int) -> Link:
+        link = self._links.get(cluster_id)
+        if link is None:
+            raise LLMNotYetLink(f"no link to cluster {cluster_id}")
+        link.check()
+        return link
+
+    # ------------------------------------------------------------------ serving peers
+    def _listen(self, address: tuple[str, int]) -> socket.socket:
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        srv = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(address)
+            srv.listen(128)
+            srv.setblocking(False)
+        except OSError as exc:
+            srv.close()
+            raise LLMParamInvalid(f"option llm.ListenIpInfo: cannot listen on {address[0]}:{address[1]}: "
+                                  f"{exc.strerror}") from None
+        assert self._loop is not None
+        self._loop.add_reader(srv.fileno(), self._accept, srv)
+        return srv
+
+    def _accept(self, srv: socket.socket) -> None:
+        for _ in range(16):
+            try:
+                sock, _addr = srv.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.ensure_future(self._serve(sock))
+            self._accepting.add(task)
+            task.add_done_callback(self._accepting.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        handed_off = False
+        try:
+            async with timeout_after(max(1.0, self._opts.heartbeat_timeout_ms / 1000)):
+                magic = await _recv_exactly(loop, sock, wire.MAGIC_SIZE)
+                if magic == wire.MAGIC_DATA:
+                    token = await _recv_exactly(loop, sock, wire.TOKEN_SIZE)
+                    fut = self._data_waiters.pop(token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(sock)
+                        handed_off = True
+                    return
+                if magic != wire.MAGIC_CONTROL:
+                    return
+            handed_off = True
+            await self._serve_control(sock)
+        except (TIMEOUT_ERRORS + (OSError, asyncio.IncompleteReadError, LLMException)) as exc:
+            log.info("incoming connection dropped: %s", exc)
+        finally:
+            if not handed_off:
+                sock.close()
+
+    async def _serve_control(self, sock: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        hs_timeout = max(1.0, self._opts.heartbeat_timeout_ms / 1000)
+        token = os.urandom(wire.TOKEN_SIZE)
+        try:
+            async with timeout_after(hs_timeout):
+                hello = await wire.read_frame(reader)
+                if hello["t"] != "hello":
+                    raise wire.ProtocolError(f"expected hello, got {hello['t']!r}")
+                if hello.get("v") != wire.PROTOCOL_VERSION:
+                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
+                                   f"protocol version mismatch: we speak {wire.PROTOCOL_VERSION}, "
+                                   f"you speak {hello.get('v')!r}")
+                if self._opts.auth_key is not None:
+                    nonce = os.urandom(32)
+                    writer.write(wire.pack({"t": "challenge", "nonce": nonce}))
+                    answer = await wire.read_frame(reader)
+                    mac = answer.get("mac") if answer["t"] == "auth" else None
+                    if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._mac(nonce)):
+                        log.warning("rejected a link attempt that failed authentication")
+                        return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
+                peer = _check_int("cluster", wire.field(hello, "cluster", int))
+                if wire.field(hello, "expect", int) != self.cluster_id:
+                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
+                                   f"this is cluster {self.cluster_id}, not {hello['expect']}")
+                if peer == self.cluster_id:
+                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "peer has our cluster id")
+                instance = str(wire.field(hello, "instance", str))[:64]
+                old = self._links.get(peer)
+                if old is not None and old.healthy and old.peer_instance == instance:
+                    return _reject(writer, LLMStatusCode.LLM_ALREADY_LINK, f"already linked with {peer}")
+                if peer in self._linking:
+                    return _reject(writer, LLMStatusCode.LLM_PROCESSING_LINK, "a link is being made")
+                if len(self._links) >= self._opts.max_links and old is None:
+                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "too many links")
+                accepted, skipped = [], {}
+                offered = wire.field(hello, "transports", list)[:16]
+                for entry in offered:
+                    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                            and isinstance(entry[1], dict)):
+                        raise wire.ProtocolError("malformed transport entry in hello")
+                    name, info = entry
+                    t = self._transports.get(name)
+                    if t is None:
+                        continue
+                    reason = t.check_peer(info)
+                    if reason is None:
+                        accepted.append([name, t.describe()])
+                    else:
+                        skipped[name] = reason
+                self._linking.add(peer)
+                try:
+                    waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
+                    self._data_waiters[token] = waiter
+                    writer.write(wire.pack({"t": "welcome", "v": wire.PROTOCOL_VERSION, "cluster": self.cluster_id,
+                                            "instance": self._instance, "accepted": accepted,
+                                            "skipped": skipped, "token": token}))
+                    choice = await wire.read_frame(reader)
+                    name = choice.get("transport") if choice["t"] == "choose" else None
+                    if name is None:
+                        return None
+                    if not isinstance(name, str) or name not in [a[0] for a in accepted]:
+                        raise wire.ProtocolError(f"peer chose a transport we did not offer: {name!r}")
+                    peer_info = next(e[1] for e in offered if e[0] == name)
+                    for s, why in skipped.items():
+                        log.info("link from cluster %d: %s not used: %s", peer, s, why)
+                    channel = StreamChannel(False, peer, token, waiter=waiter)
+                    try:
+                        endpoint = await self._transports[name].connect(peer_info, channel)
+                    except LLMException as exc:
+                        return _reject(writer, exc.status_code, str(exc.args[0]), t="ready_fail")
+                finally:
+                    self._linking.discard(peer)
+                    self._data_waiters.pop(token, None)
+        except TIMEOUT_ERRORS:
+            log.info("incoming link handshake timed out")
+            writer.close()
+            return None
+        except BaseException:
+            writer.close()
+            raise
+        link = Link(remote_cluster_id=peer, peer_instance=instance, initiator=False, transport=name,
+                    reader=reader, writer=writer, handler=self._handle,
+                    heartbeat_interval=self._opts.heartbeat_interval_ms / 1000,
+                    heartbeat_timeout=self._opts.heartbeat_timeout_ms / 1000, fallbacks=skipped)
+        channel.link = link
+        self._install(link)
+        writer.write(wire.pack({"t": "ready"}))
+        link.start(endpoint)
+        if channel.early_failure is not None:
+            link.mark_broken(channel.early_failure)
+        return None
+
+    async def _handle(self, link: Link, msg: dict[str, Any]) -> dict[str, Any]:
+        """Answer one request a peer sent over a link."""
+        op = msg.get("op")
+        if op == "cache":
+            cache_id = wire.field(msg, "cache_id", int)
+            local = self._registry._caches.get(cache_id)
+            if local is None or local.closing:
+                raise LLMKvCacheNotExist(f"cache {cache_id} is not registered on cluster {self.cluster_id}")
+            return {"cache": describe_local(local, link.transport)}
+        if op == "gone":
+            remote = link.forget(wire.field(msg, "cache_id", int))
+            if remote is not None:
+                await link.drain_remote(remote, self._opts.sync_wait_ms / 1000)
+            return {}
+        if op == "bye":
+            link.closing = True
+            if self._links.get(link.remote_cluster_id) is link:
+                del self._links[link.remote_cluster_id]
+            asyncio.get_running_loop().call_soon(link.close, "unlinked by peer")
+            return {}
+        raise LLMParamInvalid(f"unknown request {op!r}")
+
+    # ------------------------------------------------------------------ transfers
+    async def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
+                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                            timeout_in_millis: int | None = None) -> None:
+        """Copy a peer's batch slot ``src_cache_index.batch_index`` into local slot ``batch_index``."""
+        self._ready()
+        local = self._local(dst_cache, "dst_cache")
+        ci = _check_index(src_cache_index, blocks=False)
+
+        def plan(remote: RemoteCache) -> Plan:
+            return plan_cache(remote.desc, remote.addrs, ci.batch_index, local.desc, _addrs(local),
+                              batch_index, size, ext_param)
+
+        await self._transfer(_PULL, ci, local, plan, timeout_in_millis,
+                             lambda: _cache_precheck(local.desc, batch_index, size, ext_param, False))
+
+    async def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
+                             dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+                             timeout_in_millis: int | None = None) -> None:
+        """Copy the peer's ``src_blocks`` into local ``dst_blocks`` (pairwise)."""
+        self._ready()
+        local = self._local(dst_cache, "dst_cache")
+        ci = _check_index(src_cache_index, blocks=True)
+
+        def plan(remote: RemoteCache) -> Plan:
+            return plan_blocks(remote.desc, remote.addrs, local.desc, _addrs(local), src_blocks, dst_blocks,
+                               ext_param)
+
+        await self._transfer(_PULL, ci, local, plan, timeout_in_millis,
+                             lambda: _blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
+
+    async def push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
+                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                            timeout_in_millis: int | None = None) -> None:
+        """Copy local slot ``src_batch_index`` into the peer's slot ``dst_cache_index.batch_index``."""
+        self._ready()
+        local = self._local(src_cache, "src_cache")
+        ci = _check_index(dst_cache_index, blocks=False)
+
+        def plan(remote: RemoteCache) -> Plan:
+            return plan_cache(local.desc, _addrs(local), src_batch_index, remote.desc, remote.addrs,
+                              ci.batch_index, size, ext_param)
+
+        await self._transfer(_PUSH, ci, local, plan, timeout_in_millis,
+                             lambda: _cache_precheck(local.desc, src_batch_index, size, ext_param, True))
+
+    async def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+                             dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+                             timeout_in_millis: int | None = None) -> None:
+        """Copy local ``src_blocks`` into the peer's ``dst_blocks`` (pairwise)."""
+        self._ready()
+        local = self._local(src_cache, "src_cache")
+        ci = _check_index(dst_cache_index, blocks=True)
+
+        def plan(remote: RemoteCache) -> Plan:
+            return plan_blocks(local.desc, _addrs(local), remote.desc, remote.addrs, src_blocks, dst_blocks,
+                               ext_param)
+
+        await self._transfer(_PUSH, ci, local, plan, timeout_in_millis,
+                             lambda: _blocks_precheck(local.desc, src_blocks, dst_blocks, ext_param, True))
+
+    async def _transfer(self, direction: str, ci: CacheIndex, local: LocalCache,
+                        planner: Callable[[RemoteCache], Plan], timeout_in_millis: int | None,
+                        precheck: Callable[[], None]) -> None:
+        """Plan against the peer's cache and run the batch on the link's endpoint, within the deadline.
+
+        ``precheck`` holds the checks that need only the local cache; they run before the peer is
+        first asked for its cache (once it is known, ``planner`` checks everything)."""
+        timeout = self._deadline(timeout_in_millis)
+        link = self._links.get(ci.cluster_id)
+        remote = link.remotes.get(ci.cache_id) if link is not None else None
+        if remote is None:
+            precheck()
+            link = self._link(ci.cluster_id)
+        else:
+            assert link is not None
+            link.check()
+        local.pin()
+        try:
+            async with timeout_after(timeout):
+                if remote is None:
+                    remote = await link.remote_cache(ci.cache_id, timeout)
+                p = planner(remote)
+                if direction == _PULL:
+                    batch = RunBatch(p.dst_addr, p.src_addr, p.length, p.dst_tensor, p.src_tensor, local, remote)
+                else:
+                    batch = RunBatch(p.src_addr, p.dst_addr, p.length, p.src_tensor, p.dst_tensor, local, remote)
+                endpoint = link.check()
+                remote.inflight += 1
+                try:
+                    if direction == _PULL:
+                        await endpoint.read(batch)
+                    else:
+                        await endpoint.write(batch)
+                finally:
+                    remote.inflight -= 1
+        except TIMEOUT_ERRORS as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMTimeoutError(
+                f"{direction} with cluster {ci.cluster_id} cache {ci.cache_id} did not finish within "
+                f"{timeout * 1000:.0f} ms") from None
+        except LLMKvCacheNotExist:
+            link.forget(ci.cache_id)
+            raise
+        finally:
+            local.unpin()
+
+
+# ---------------------------------------------------------------------- helpers
+def _addrs(local: LocalCache) -> np.ndarray:
+    return np.fromiter((r.addr for r in local.regions), dtype=np.uint64, count=len(local.regions))
+
+
+def _blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,
+                     local_is_src: bool) -> None:
+    """The checks of a block transfer that need only the local cache."""
+    _layer_local(ext, desc, local_is_src)
+    lb = block_list(local_blocks, desc.num_blocks, "src_blocks" if local_is_src else "dst_blocks")
+    rb = block_list(remote_blocks, 1 << 62, "dst_blocks" if local_is_src else "src_blocks")
+    if lb.size != rb.size:
+        raise LLMParamInvalid(f"src_blocks has {(lb if local_is_src else rb).size} entries, "
+                              f"dst_blocks has {(rb if local_is_src else lb).size}")
+    if not local_is_src and np.unique(lb).size != lb.size:
+        raise LLMParamInvalid("dst_blocks names a block more than once")
+
+
+def _cache_precheck(desc: CacheDesc, batch_index: Any, size: Any, ext: KvCacheExtParam | None,
+                    local_is_src: bool) -> None:
+    """The checks of a whole-slot transfer that need only the local cache."""
+    _layer_local(ext, desc, local_is_src)
+    what = "src_batch_index" if local_is_src else "batch_index"
+    _check_int(what, batch_index, 0, desc.num_blocks - 1)
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise LLMParamInvalid(f"size must be an int, got {size!r}")
+    if size != -1 and not 0 < size <= desc.stride:
+        raise LLMParamInvalid(f"size {size} must be -1 or in 1..{desc.stride} (bytes per tensor slot)")
+
+
+def _layer_local(ext: KvCacheExtParam | None, desc: CacheDesc, local_is_src: bool) -> None:
+    """Check the local side's layer range against the local cache."""
+    ext = ext or KvCacheExtParam()
+    if not isinstance(ext, KvCacheExtParam):
+        raise LLMParamInvalid(f"ext_param must be a KvCacheExtParam, got {type(ext).__name__}")
+    n = ext.tensor_num_per_layer
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise LLMParamInvalid(f"tensor_num_per_layer must be a positive int, got {n!r}")
+    rng = ext.src_layer_range if local_is_src else ext.dst_layer_range
+    layer_tensors(rng, desc.num_tensors, int(n), "src_layer_range" if local_is_src else "dst_layer_range")
+
+
+def _check_index(ci: CacheIndex, blocks: bool) -> CacheIndex:
+    if not isinstance(ci, CacheIndex):
+        raise LLMParamInvalid(f"expected a CacheIndex, got {type(ci).__name__}")
+    _check_int("cluster_id", ci.cluster_id)
+    _check_int("cache_id", ci.cache_id, 1)
+    _check_int("batch_index", ci.batch_index, 0, (1 << 32) - 1)
+    if blocks and ci.batch_index != 0:
+        raise LLMParamInvalid("batch_index must be 0 for block transfers")
+    return ci
+
+
+def wire_address(ip: str, port: int) -> tuple[str, int]:
+    from ._options import parse_address
+
+    host = ip if ":" not in ip else f"[{ip}]"
+    return parse_address("remote_ip_infos", f"{host}:{port}")
+
+
+def _rejected(code: LLMStatusCode, message: str) -> LLMException:
+    from ._status import error_for
+
+    return error_for(int(code), message or code.name)
+
+
+def _reject(writer: asyncio.StreamWriter, code: LLMStatusCode, message: str, t: str = "reject") -> None:
+    writer.write(wire.pack({"t": t, "code": int(code), "msg": message}))
+    writer.close()
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(buf), n)
+        buf += chunk
+    return bytes(buf)
+
+
+async def _close_endpoint(endpoint: Any) -> None:
+    try:
+        await endpoint.close()
+    except Exception:
+        log.debug("closing endpoint failed", exc_info=True)
+

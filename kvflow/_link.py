@@ -1,0 +1,354 @@
+"""One link to a peer: its control connection, heartbeats, remote-cache lookups and data endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from . import _wire as wire
+from ._compat import TIMEOUT_ERRORS
+from ._compat import timeout as timeout_after
+from ._status import (
+    LLMException,
+    LLMKvCacheNotExist,
+    LLMLinkFailed,
+    LLMNotYetLink,
+    LLMStatusCode,
+    LLMTimeoutError,
+    error_for,
+)
+from ._types import CacheDesc, DataType, Placement
+from .transport import Endpoint, LinkChannel, RemoteCache, RemoteRegion
+
+if TYPE_CHECKING:
+    from ._memory import LocalCache
+
+log = logging.getLogger("kvflow.link")
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    LINKED = "linked"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class StreamChannel(LinkChannel):
+    """LinkChannel over the peer's listen port: the initiator dials, the acceptor waits for a token."""
+
+    def __init__(self, initiator: bool, peer_cluster_id: int, token: bytes,
+                 address: tuple[str, int] | None = None,
+                 waiter: asyncio.Future[socket.socket] | None = None) -> None:
+        self.initiator = initiator
+        self.peer_cluster_id = peer_cluster_id
+        self._token = token
+        self._address = address
+        self._waiter = waiter
+        self.link: Link | None = None
+        self.early_failure: BaseException | None = None
+
+    async def open_stream(self) -> socket.socket:
+        if not self.initiator:
+            assert self._waiter is not None
+            return await self._waiter
+        assert self._address is not None
+        sock = await open_socket(self._address)
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, wire.MAGIC_DATA + self._token)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def broken(self, exc: BaseException) -> None:
+        if self.link is not None:
+            self.link.mark_broken(exc)
+        else:
+            self.early_failure = exc
+
+
+async def open_socket(address: tuple[str, int], local_ip: str | None = None) -> socket.socket:
+    """A connected non-blocking TCP socket with TCP_NODELAY."""
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if local_ip:
+            sock.bind((local_ip, 0))
+        await asyncio.get_running_loop().sock_connect(sock, address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+Handler = Callable[["Link", dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class Link:
+    """A live link to one peer cluster (either side may have made it)."""
+
+    def __init__(self, *, remote_cluster_id: int, peer_instance: str, initiator: bool, transport: str,
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: Handler,
+                 heartbeat_interval: float, heartbeat_timeout: float,
+                 fallbacks: dict[str, str] | None = None) -> None:
+        self.remote_cluster_id = remote_cluster_id
+        self.peer_instance = peer_instance
+        self.initiator = initiator
+        self.transport = transport
+        self.fallbacks = dict(fallbacks or {})
+        self.state = LinkState.CONNECTING
+        self.endpoint: Endpoint | None = None
+        self.error: BaseException | None = None
+        self.remotes: dict[int, RemoteCache] = {}
+        self._loop = asyncio.get_running_loop()
+        self._reader = reader
+        self._writer = writer
+        self._handler = handler
+        self._hb_interval = heartbeat_interval
+        self._hb_timeout = heartbeat_timeout
+        self._last_rx = self._loop.time()
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 1
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._lookups: dict[int, asyncio.Future[RemoteCache]] = {}
+        self.on_closed: Callable[[Link], None] | None = None
+        self.on_peer_bye: Callable[[Link], None] | None = None
+        self.closing = False  # set while unlinking: the peer's hang-up is expected
+
+    def __repr__(self) -> str:
+        return f"<Link cluster={self.remote_cluster_id} {self.transport} {self.state.value}>"
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is LinkState.LINKED
+
+    def start(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.state = LinkState.LINKED
+        self._last_rx = self._loop.time()
+        self._spawn(self._read_loop())
+        self._spawn(self._heartbeat_loop())
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def check(self) -> Endpoint:
+        """The endpoint, or the typed error that says why the link cannot be used."""
+        if self.state is LinkState.LINKED and self.endpoint is not None:
+            return self.endpoint
+        raise LLMNotYetLink(
+            f"link to cluster {self.remote_cluster_id} is {self.state.value}"
+            + (f" ({self.error}); unlink and link again" if self.error else "")
+        )
+
+    # ------------------------------------------------------------------ control messages
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.state in (LinkState.LINKED, LinkState.CONNECTING) and not self._writer.is_closing():
+            self._writer.write(wire.pack(msg))
+
+    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send a request and wait for the peer's answer; typed errors for its non-zero codes."""
+        self.check()
+        req_id = self._next_id
+        self._next_id += 1
+        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        self._pending[req_id] = fut
+        try:
+            self.send({**msg, "t": "req", "id": req_id})
+            async with timeout_after(timeout):
+                rsp = await fut
+        except TIMEOUT_ERRORS as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMTimeoutError(
+                f"cluster {self.remote_cluster_id} did not answer {msg.get('op')!r} within {timeout:.3f} s"
+            ) from None
+        finally:
+            self._pending.pop(req_id, None)
+        code = rsp.get("code", 0)
+        if code:
+            raise error_for(code, str(rsp.get("msg", "")))
+        return rsp
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await wire.read_frame(self._reader)
+                self._last_rx = self._loop.time()
+                t = msg["t"]
+                if t == "ping":
+                    self.send({"t": "pong"})
+                elif t == "pong":
+                    pass
+                elif t == "rsp":
+                    fut = self._pending.get(wire.field(msg, "id", int))
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif t == "req":
+                    self._spawn(self._answer(msg))
+                elif t == "bye":  # the peer is finalizing: its hang-up is expected
+                    self.closing = True
+                    if self.on_peer_bye is not None:
+                        self.on_peer_bye(self)
+                    self.close("peer finalized")
+                    return
+                else:
+                    raise wire.ProtocolError(f"unexpected control frame {t!r}")
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            self.mark_broken(LLMLinkFailed(f"control connection to cluster {self.remote_cluster_id} closed"))
+        except LLMException as exc:
+            log.warning("link to cluster %d: %s", self.remote_cluster_id, exc)
+            self.mark_broken(exc)
+
+    async def _answer(self, msg: dict[str, Any]) -> None:
+        req_id = wire.field(msg, "id", int)
+        try:
+            body = await self._handler(self, msg)
+            rsp: dict[str, Any] = {"t": "rsp", "id": req_id, "code": 0, **body}
+        except LLMException as exc:
+            rsp = {"t": "rsp", "id": req_id, "code": int(exc.status_code), "msg": str(exc.args[0])[:500]}
+        except Exception as exc:  # never let a peer's request crash us
+            log.exception("error answering %r from cluster %d", msg.get("op"), self.remote_cluster_id)
+            rsp = {"t": "rsp", "id": req_id, "code": int(LLMStatusCode.LLM_FAILED), "msg": type(exc).__name__}
+        self.send(rsp)
+
+    async def _heartbeat_loop(self) -> None:
+        while self.state is LinkState.LINKED:
+            await asyncio.sleep(self._hb_interval)
+            silent = self._loop.time() - self._last_rx
+            if silent > self._hb_timeout:
+                self.mark_broken(LLMTimeoutError(
+                    f"no heartbeat from cluster {self.remote_cluster_id} for {silent:.1f} s"))
+                return
+            self.send({"t": "ping"})
+
+    # ------------------------------------------------------------------ remote caches
+    async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
+        """The peer's cache ``cache_id`` (looked up once, then kept until the peer drops it)."""
+        remote = self.remotes.get(cache_id)
+        if remote is not None:
+            return remote
+        fut = self._lookups.get(cache_id)
+        if fut is None:
+            fut = self._loop.create_future()
+            self._lookups[cache_id] = fut
+            try:
+                rsp = await self.request({"op": "cache", "cache_id": cache_id}, timeout)
+                remote = self._parse_cache(cache_id, rsp)
+                self.remotes[cache_id] = remote
+                fut.set_result(remote)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                fut.exception()  # mark retrieved
+                raise
+            finally:
+                self._lookups.pop(cache_id, None)
+            return remote
+        return await asyncio.shield(fut)
+
+    def _parse_cache(self, cache_id: int, rsp: dict[str, Any]) -> RemoteCache:
+        c = wire.field(rsp, "cache", dict)
+        try:
+            desc = CacheDesc(
+                num_tensors=wire.field(c, "num_tensors", int),
+                data_type=DataType(wire.field(c, "data_type", int)),
+                shape=[int(d) for d in wire.field(c, "shape", list)],
+                placement=Placement(wire.field(c, "placement", int)),
+            )
+            desc.validate()
+            addrs = wire.field(c, "addrs", list)
+            descs = wire.field(c, "descs", list)
+            if len(addrs) != desc.num_tensors or len(descs) != desc.num_tensors:
+                raise ValueError("tensor count mismatch")
+            regions = tuple(
+                RemoteRegion(int(a), desc.tensor_bytes, d if isinstance(d, bytes) else None)
+                for a, d in zip(addrs, descs)
+            )
+        except (ValueError, TypeError, LLMException) as exc:
+            raise wire.ProtocolError(f"malformed description of remote cache {cache_id}: {exc}") from None
+        return RemoteCache(self.remote_cluster_id, cache_id, desc, regions)
+
+    def forget(self, cache_id: int) -> RemoteCache | None:
+        return self.remotes.pop(cache_id, None)
+
+    async def drain_remote(self, remote: RemoteCache, timeout: float) -> None:
+        """Wait until no operation of ours uses ``remote`` (bounded)."""
+        deadline = self._loop.time() + timeout
+        while remote.inflight and self._loop.time() < deadline:
+            await asyncio.sleep(0.001)
+
+    # ------------------------------------------------------------------ teardown
+    def mark_broken(self, exc: BaseException) -> None:
+        """The link can no longer be used: fail everything in flight, at once."""
+        if self.state in (LinkState.BROKEN, LinkState.CLOSED):
+            return
+        log.log(logging.DEBUG if self.closing else logging.WARNING,
+                "link to cluster %d broken: %s", self.remote_cluster_id, exc)
+        self.state = LinkState.BROKEN
+        self.error = exc
+        self._shutdown(exc)
+
+    def close(self, reason: str = "link closed", notify: bool = False) -> None:
+        """Close the link locally (unlink / finalize); in-flight operations fail with LLMLinkFailed.
+
+        With ``notify`` the peer is told first, so that it drops the link quietly."""
+        if self.state is LinkState.CLOSED:
+            return
+        if notify and self.state is LinkState.LINKED:
+            self.send({"t": "bye"})
+        was_broken = self.state is LinkState.BROKEN
+        self.state = LinkState.CLOSED
+        if not was_broken:
+            self._shutdown(LLMLinkFailed(f"link to cluster {self.remote_cluster_id}: {reason}"))
+
+    def _shutdown(self, exc: BaseException) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
+        if self.endpoint is not None:
+            self.endpoint.abort(exc)
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._writer.close()
+        if self.on_closed is not None:
+            self.on_closed(self)
+
+    async def wait_closed(self) -> None:
+        if self.endpoint is not None:
+            try:
+                await self.endpoint.close()
+            except Exception:  # closing a broken endpoint may fail; nothing is left to release
+                log.debug("endpoint close failed", exc_info=True)
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), 1.0)
+        except (Exception, asyncio.TimeoutError):
+            pass
+
+
+def describe_local(local: LocalCache, transport: str) -> dict[str, Any]:
+    """A local cache as a peer receives it over a link using ``transport``."""
+    d = local.desc
+    return {
+        "cache_id": local.cache_id,
+        "num_tensors": d.num_tensors,
+        "data_type": int(d.data_type),
+        "shape": [int(x) for x in d.shape],
+        "placement": int(d.placement),
+        "addrs": [r.addr for r in local.regions],
+        "descs": list(local.descs.get(transport) or [None] * len(local.regions)),
+    }
+
+
+def kv_cache_not_exist(cache_id: int, cluster_id: int) -> LLMKvCacheNotExist:
+    return LLMKvCacheNotExist(f"cache {cache_id} is not registered on cluster {cluster_id}")

@@ -1,0 +1,212 @@
+"""Registered memory: turning user addresses into regions, and checking peer requests against them."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._status import LLMKvCacheNotExist, LLMParamInvalid
+from ._types import Cache, CacheDesc, Placement
+
+
+@dataclass
+class Region:
+    """One registered tensor: ``nbytes`` at ``addr``; ``view`` is a writable byte view for host memory."""
+
+    addr: int
+    nbytes: int
+    placement: Placement
+    view: memoryview | None
+    owner: Any = None  # keeps the user's object alive while registered
+
+
+def _host_view(addr: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def resolve_region(obj: Any, nbytes: int, placement: Placement, index: int) -> Region:
+    """Turn one entry of ``addrs`` (int, buffer, or object with ``data_ptr()``) into a Region."""
+    if isinstance(obj, bool):
+        raise LLMParamInvalid(f"addrs[{index}]: expected an address or a buffer, got a bool")
+    if isinstance(obj, (int, np.integer)):
+        addr = int(obj)
+        if addr <= 0 or addr + nbytes > 1 << 64:
+            raise LLMParamInvalid(f"addrs[{index}]: address {addr:#x} is not a valid non-zero address")
+        view = _host_view(addr, nbytes) if placement == Placement.HOST else None
+        return Region(addr, nbytes, placement, view)
+    data_ptr = getattr(obj, "data_ptr", None)
+    if callable(data_ptr) and not isinstance(obj, (bytes, bytearray, memoryview, np.ndarray)):
+        addr = int(data_ptr())
+        size = _object_nbytes(obj)
+        if size is not None and size < nbytes:
+            raise LLMParamInvalid(f"addrs[{index}]: object holds {size} bytes, a tensor needs {nbytes}")
+        on_device = getattr(getattr(obj, "device", None), "type", "cpu") != "cpu"
+        if on_device and placement != Placement.DEVICE:
+            raise LLMParamInvalid(f"addrs[{index}]: device tensor registered with placement HOST")
+        if addr <= 0:
+            raise LLMParamInvalid(f"addrs[{index}]: data_ptr() is 0")
+        view = None if on_device else _host_view(addr, nbytes)
+        return Region(addr, nbytes, placement, view, owner=obj)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise LLMParamInvalid(
+            f"addrs[{index}]: expected an int address, a buffer or an object with data_ptr(), "
+            f"got {type(obj).__name__}"
+        ) from None
+    if mv.readonly:
+        raise LLMParamInvalid(f"addrs[{index}]: buffer is read-only")
+    if not mv.c_contiguous:
+        raise LLMParamInvalid(f"addrs[{index}]: buffer is not C-contiguous")
+    mv = mv.cast("B")
+    if mv.nbytes < nbytes:
+        raise LLMParamInvalid(f"addrs[{index}]: buffer holds {mv.nbytes} bytes, a tensor needs {nbytes}")
+    if placement != Placement.HOST:
+        raise LLMParamInvalid(f"addrs[{index}]: a host buffer registered with placement DEVICE")
+    if nbytes == 0:
+        raise LLMParamInvalid(f"addrs[{index}]: empty tensor")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    return Region(addr, nbytes, placement, mv[:nbytes], owner=obj)
+
+
+def _object_nbytes(obj: Any) -> int | None:
+    try:
+        return int(obj.numel()) * int(obj.element_size())
+    except Exception:  # not torch-like: the caller vouches for the size, as with an int address
+        return None
+
+
+@dataclass
+class LocalCache:
+    """A cache registered here, with its regions and the count of peer operations using it."""
+
+    cache: Cache
+    regions: list[Region]
+    starts: np.ndarray = field(init=False)
+    sizes: np.ndarray = field(init=False)
+    order: np.ndarray = field(init=False)
+    inflight: int = 0
+    closing: bool = False
+    idle: asyncio.Event | None = None
+    pins: dict[Any, int] = field(default_factory=dict)  # who holds the in-flight operations
+    descs: dict[str, list[bytes | None]] = field(default_factory=dict)  # per transport, for peers
+
+    def __post_init__(self) -> None:
+        addrs = np.array([r.addr for r in self.regions], dtype=np.uint64)
+        self.order = np.argsort(addrs, kind="stable")
+        self.starts = addrs[self.order]
+        self.sizes = np.array([r.nbytes for r in self.regions], dtype=np.uint64)[self.order]
+        self._starts_list: list[int] = self.starts.tolist()
+        self._sizes_list: list[int] = self.sizes.tolist()
+        self._order_list: list[int] = self.order.tolist()
+
+    @property
+    def cache_id(self) -> int:
+        return self.cache.cache_id
+
+    @property
+    def desc(self) -> CacheDesc:
+        return self.cache.cache_desc
+
+    def locate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Index of the region holding each run; raises LLMParamInvalid if any run leaves its region."""
+        if addrs.size == 0:
+            raise LLMParamInvalid("empty run list")
+        if addrs.size <= 4:
+            return np.array([self._locate_one(a, n) for a, n in zip(addrs.tolist(), lens.tolist())],
+                            dtype=np.int64)
+        pos = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
+        ok = pos >= 0
+        posc = np.where(ok, pos, 0)
+        start = self.starts[posc]
+        size = self.sizes[posc]
+        off = addrs - np.where(ok, start, addrs)
+        ok &= (lens > 0) & (lens <= size) & (off <= size - np.minimum(lens, size))
+        if not bool(ok.all()):
+            bad = int(np.argmin(ok))
+            raise LLMParamInvalid(
+                f"run {bad} ({int(addrs[bad]):#x}+{int(lens[bad])}) is outside cache {self.cache_id}"
+            )
+        return self.order[posc]
+
+    def _locate_one(self, addr: int, length: int) -> int:
+        starts = self._starts_list
+        pos = bisect.bisect_right(starts, addr) - 1
+        if pos < 0 or length <= 0 or addr + length > starts[pos] + self._sizes_list[pos]:
+            raise LLMParamInvalid(f"run {addr:#x}+{length} is outside cache {self.cache_id}")
+        return self._order_list[pos]
+
+    def views(self, addrs: np.ndarray, lens: np.ndarray, tensors: np.ndarray | None = None) -> list[memoryview]:
+        """Byte views of the given runs. Without ``tensors`` (each run's tensor index, as planned
+        locally) every run is first checked to lie inside a registered tensor."""
+        idx = self.locate(addrs, lens) if tensors is None else tensors
+        regions = self.regions
+        out: list[memoryview] = []
+        append = out.append
+        for i, a, n in zip(idx.tolist(), addrs.tolist(), lens.tolist()):
+            r = regions[i]
+            if r.view is None:
+                raise LLMParamInvalid(f"cache {self.cache_id} is device memory; this transport needs host memory")
+            o = a - r.addr
+            append(r.view[o : o + n])
+        return out
+
+    def pin(self, owner: Any = None) -> None:
+        """Count an operation that reads or writes this cache's memory."""
+        self.inflight += 1
+        self.pins[owner] = self.pins.get(owner, 0) + 1
+
+    def unpin(self, owner: Any = None) -> None:
+        self.inflight -= 1
+        left = self.pins[owner] - 1
+        if left:
+            self.pins[owner] = left
+        else:
+            del self.pins[owner]
+        if self.inflight == 0 and self.idle is not None:
+            self.idle.set()
+
+
+class Registry:
+    """The caches registered on one LlmDataDist, by id."""
+
+    def __init__(self) -> None:
+        self._caches: dict[int, LocalCache] = {}
+        self._next_id = 1
+
+    def add(self, desc: CacheDesc, addrs: Sequence[Any]) -> LocalCache:
+        desc.validate()
+        if isinstance(addrs, (bytes, bytearray, memoryview, np.ndarray)) or not hasattr(addrs, "__len__"):
+            raise LLMParamInvalid("addrs must be a sequence with one entry per tensor")
+        if len(addrs) != desc.num_tensors:
+            raise LLMParamInvalid(f"addrs has {len(addrs)} entries, num_tensors is {desc.num_tensors}")
+        nbytes = desc.tensor_bytes
+        if desc.num_blocks and nbytes % desc.num_blocks:
+            raise LLMParamInvalid("tensor bytes are not a multiple of shape[0]")
+        regions = [resolve_region(a, nbytes, Placement(desc.placement), i) for i, a in enumerate(addrs)]
+        cache = Cache(self._next_id, tuple(r.addr for r in regions), desc)
+        self._next_id += 1
+        local = LocalCache(cache, regions)
+        self._caches[cache.cache_id] = local
+        return local
+
+    def get(self, cache_id: int) -> LocalCache:
+        """The cache, or LLMKvCacheNotExist (also while it is being unregistered)."""
+        local = self._caches.get(cache_id)
+        if local is None or local.closing:
+            raise LLMKvCacheNotExist(f"cache {cache_id} is not registered here")
+        return local
+
+    def pop(self, cache_id: int) -> LocalCache | None:
+        return self._caches.pop(cache_id, None)
+
+    def __iter__(self):
+        return iter(list(self._caches.values()))
+
+    def __len__(self) -> int:
+        return len(self._caches)

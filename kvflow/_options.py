@@ -1,0 +1,98 @@
+"""Parsing ``initialize`` options: the seed's ``llm.*`` keys and kvflow's own ``kvflow.*`` keys."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ._status import LLMParamInvalid
+
+DEFAULT_TRANSPORTS = ("shm", "ucx", "tcp")
+
+
+@dataclass
+class Options:
+    """Parsed options; see docs/api.md for each key."""
+
+    listen: tuple[str, int] | None = None
+    sync_wait_ms: int = 5000
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
+    transports_pinned: bool = False
+    heartbeat_interval_ms: int = 500
+    heartbeat_timeout_ms: int = 2000
+    auth_key: bytes | None = None
+    max_links: int = 1024
+    transport_options: dict[str, str] = field(default_factory=dict)
+
+
+def _ms(key: str, value: str, lo: int = 1, hi: int = 24 * 3600 * 1000) -> int:
+    try:
+        ms = int(str(value).strip())
+    except ValueError:
+        raise LLMParamInvalid(f"option {key}={value!r}: expected an integer number of milliseconds") from None
+    if not lo <= ms <= hi:
+        raise LLMParamInvalid(f"option {key}={value!r}: must be within {lo}..{hi}")
+    return ms
+
+
+def parse_address(key: str, value: str) -> tuple[str, int]:
+    """``"ip:port"`` or ``"[v6]:port"`` -> (ip, port); LLMParamInvalid naming ``key`` otherwise."""
+    text = str(value).strip()
+    host, sep, port_s = text.rpartition(":")
+    if not sep:
+        raise LLMParamInvalid(f"option {key}={value!r}: expected ip:port")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        port = int(port_s)
+    except ValueError:
+        raise LLMParamInvalid(f"option {key}={value!r}: expected a numeric ip:port") from None
+    if not 0 <= port <= 65535:
+        raise LLMParamInvalid(f"option {key}={value!r}: port out of range")
+    return host, port
+
+
+def parse_options(options: Mapping[str, Any] | None) -> Options:
+    """Check every key and value; unknown or malformed ones raise LLMParamInvalid naming the key."""
+    opts = Options()
+    if options is None:
+        return opts
+    if not isinstance(options, Mapping):
+        raise LLMParamInvalid(f"options must be a mapping of str to str, got {type(options).__name__}")
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise LLMParamInvalid(f"option key {key!r} is not a string")
+        if key == "llm.ListenIpInfo":
+            opts.listen = parse_address(key, value)
+        elif key == "llm.SyncKvCacheWaitTime":
+            opts.sync_wait_ms = _ms(key, value)
+        elif key == "llm.DeviceId":
+            try:
+                int(str(value))
+            except ValueError:
+                raise LLMParamInvalid(f"option {key}={value!r}: expected an integer") from None
+        elif key == "kvflow.Transports":
+            names = tuple(n.strip() for n in str(value).split(",") if n.strip())
+            if not names or any(not n.isidentifier() for n in names) or len(set(names)) != len(names):
+                raise LLMParamInvalid(f"option {key}={value!r}: expected a comma list of transport names")
+            opts.transports = names
+            opts.transports_pinned = True
+        elif key == "kvflow.HeartbeatInterval":
+            opts.heartbeat_interval_ms = _ms(key, value, 10, 60_000)
+        elif key == "kvflow.HeartbeatTimeout":
+            opts.heartbeat_timeout_ms = _ms(key, value, 50, 600_000)
+        elif key == "kvflow.AuthKey":
+            secret = str(value).encode()
+            if len(secret) < 8:
+                raise LLMParamInvalid(f"option {key}: the shared secret must be at least 8 bytes")
+            opts.auth_key = secret
+        elif key == "kvflow.MaxLinks":
+            opts.max_links = _ms(key, value, 1, 65536)
+        elif key.startswith("kvflow.") and key.count(".") >= 2:
+            opts.transport_options[key] = str(value)  # kvflow.<transport>.<key>: the transport's own
+        else:
+            raise LLMParamInvalid(f"unknown option {key!r}")
+    if opts.heartbeat_timeout_ms <= opts.heartbeat_interval_ms:
+        raise LLMParamInvalid("option kvflow.HeartbeatTimeout must exceed kvflow.HeartbeatInterval")
+    return opts

@@ -1,0 +1,214 @@
+"""Planning: layout, layer ranges and block lists -> coalesced runs, as arrays.
+
+Block ``b`` of tensor ``t`` starts at ``addrs[t] + b * stride``. Layer ``l`` is tensors
+``[l*N, (l+1)*N)``. Block pairs that advance together on both sides are merged into one run;
+every index and size is checked here, before a byte moves.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._status import LLMParamInvalid
+from ._types import CacheDesc, KvCacheExtParam, LayerRange
+
+
+def layer_tensors(rng: LayerRange, num_tensors: int, per_layer: int, what: str) -> np.ndarray:
+    """Tensor indices of an inclusive ``(first, last)`` layer range or a ``range``; (-1, -1) = all."""
+    if isinstance(rng, range):
+        if rng.step != 1 or len(rng) == 0:
+            raise LLMParamInvalid(f"{what}: a range must be non-empty with step 1, got {rng!r}")
+        first, last = rng.start, rng.stop - 1
+    else:
+        try:
+            first, last = (int(v) for v in rng)
+        except (TypeError, ValueError):
+            raise LLMParamInvalid(f"{what}: expected (first, last) or a range, got {rng!r}") from None
+        if first < 0 or last < 0:
+            if (first, last) != (-1, -1):
+                raise LLMParamInvalid(f"{what}: {rng!r}: use (-1, -1) for all layers")
+            return np.arange(num_tensors, dtype=np.int64)
+    if num_tensors % per_layer:
+        raise LLMParamInvalid(
+            f"{what}: tensor_num_per_layer={per_layer} does not divide num_tensors={num_tensors}"
+        )
+    layers = num_tensors // per_layer
+    if not 0 <= first <= last < layers:
+        raise LLMParamInvalid(f"{what}: layers {first}..{last} are outside 0..{layers - 1}")
+    return np.arange(first * per_layer, (last + 1) * per_layer, dtype=np.int64)
+
+
+def tensor_pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination tensor indices selected by ``ext``, of equal length."""
+    ext = ext or KvCacheExtParam()
+    if not isinstance(ext, KvCacheExtParam):
+        raise LLMParamInvalid(f"ext_param must be a KvCacheExtParam, got {type(ext).__name__}")
+    n = ext.tensor_num_per_layer
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise LLMParamInvalid(f"tensor_num_per_layer must be a positive int, got {n!r}")
+    n = int(n)
+    s = layer_tensors(ext.src_layer_range, src.num_tensors, n, "src_layer_range")
+    d = layer_tensors(ext.dst_layer_range, dst.num_tensors, n, "dst_layer_range")
+    if s.size != d.size:
+        raise LLMParamInvalid(f"layer ranges select {s.size} source and {d.size} destination tensors")
+    return s, d
+
+
+def block_list(blocks: Any, num_blocks: int, what: str) -> np.ndarray:
+    """A block list as int64, each index checked against ``num_blocks``."""
+    if isinstance(blocks, (str, bytes)):
+        raise LLMParamInvalid(f"{what} must be a sequence of block indices")
+    try:
+        arr = np.asarray(blocks)
+    except Exception:
+        raise LLMParamInvalid(f"{what} must be a sequence of block indices") from None
+    if arr.ndim != 1 or arr.size == 0:
+        raise LLMParamInvalid(f"{what} must be a non-empty 1-D list of block indices")
+    if arr.dtype == object or arr.dtype.kind not in "iu":
+        raise LLMParamInvalid(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 62:
+        raise LLMParamInvalid(f"{what}: index {int(arr.max())} is out of range")
+    arr = arr.astype(np.int64, copy=False)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise LLMParamInvalid(f"{what}: block {bad} is outside 0..{num_blocks - 1}")
+    return arr
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge pairs that advance by one on both sides: (src starts, dst starts, block counts)."""
+    if src.size == 1:
+        return src, dst, np.ones(1, dtype=np.int64)
+    brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    counts = np.diff(np.concatenate((starts, [src.size])))
+    return src[starts], dst[starts], counts
+
+
+SMALL = 16  # block lists up to this long are planned in plain Python: cheaper than numpy calls
+
+
+def small_block_list(blocks: Any, num_blocks: int, what: str) -> list[int] | None:
+    """A short block list as checked Python ints, or None when numpy should take it."""
+    if not isinstance(blocks, (list, tuple)) or not 0 < len(blocks) <= SMALL:
+        return None
+    out = []
+    for b in blocks:
+        if isinstance(b, bool):
+            raise LLMParamInvalid(f"{what} must hold integers, got {b!r}")
+        try:
+            i = operator.index(b)
+        except TypeError:
+            raise LLMParamInvalid(f"{what} must hold integers, got {b!r}") from None
+        if not 0 <= i < num_blocks:
+            raise LLMParamInvalid(f"{what}: block {i} is outside 0..{num_blocks - 1}")
+        out.append(i)
+    return out
+
+
+def coalesce_small(src: list[int], dst: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """``coalesce`` for short Python lists."""
+    s0, d0, cnt = [src[0]], [dst[0]], [1]
+    for s, d in zip(src[1:], dst[1:]):
+        if s == s0[-1] + cnt[-1] and d == d0[-1] + cnt[-1]:
+            cnt[-1] += 1
+        else:
+            s0.append(s)
+            d0.append(d)
+            cnt.append(1)
+    return s0, d0, cnt
+
+
+class Plan:
+    """Runs between a source and a destination cache (addresses per tensor, strides in bytes)."""
+
+    __slots__ = ("src_addr", "dst_addr", "length", "src_tensor", "dst_tensor")
+
+    def __init__(self, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
+                 src_t: np.ndarray, dst_t: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray,
+                 run_bytes: np.ndarray) -> None:
+        nt, nr = src_t.size, src_start.size
+        sa = src_addrs[src_t].astype(np.uint64)[:, None] + (src_start.astype(np.uint64) * np.uint64(src_stride))
+        da = dst_addrs[dst_t].astype(np.uint64)[:, None] + (dst_start.astype(np.uint64) * np.uint64(dst_stride))
+        self.src_addr = sa.ravel()
+        self.dst_addr = da.ravel()
+        self.length = np.broadcast_to(run_bytes.astype(np.uint64), (nt, nr)).ravel()
+        self.src_tensor = np.repeat(src_t, nr)
+        self.dst_tensor = np.repeat(dst_t, nr)
+
+    @classmethod
+    def small(cls, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
+              src_t: np.ndarray, dst_t: np.ndarray, src_start: list[int], dst_start: list[int],
+              run_bytes: list[int]) -> Plan:
+        """The same runs as ``Plan(...)``, computed in plain Python for short lists."""
+        sa_all, da_all = src_addrs.tolist(), dst_addrs.tolist()
+        sa, da, ln, st, dt = [], [], [], [], []
+        for ts, td in zip(src_t.tolist(), dst_t.tolist()):
+            base_s, base_d = sa_all[ts], da_all[td]
+            for s0, d0, n in zip(src_start, dst_start, run_bytes):
+                sa.append(base_s + s0 * src_stride)
+                da.append(base_d + d0 * dst_stride)
+                ln.append(n)
+                st.append(ts)
+                dt.append(td)
+        plan = cls.__new__(cls)
+        plan.src_addr = np.array(sa, dtype=np.uint64)
+        plan.dst_addr = np.array(da, dtype=np.uint64)
+        plan.length = np.array(ln, dtype=np.uint64)
+        plan.src_tensor = np.array(st, dtype=np.int64)
+        plan.dst_tensor = np.array(dt, dtype=np.int64)
+        return plan
+
+
+def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs: np.ndarray,
+                src_blocks: Sequence[int], dst_blocks: Sequence[int], ext: KvCacheExtParam | None) -> Plan:
+    """Runs for a block-list transfer; every block and layer is checked."""
+    s_t, d_t = tensor_pairs(ext, src, dst)
+    ss = small_block_list(src_blocks, src.num_blocks, "src_blocks")
+    ds = small_block_list(dst_blocks, dst.num_blocks, "dst_blocks")
+    if ss is not None and ds is not None:
+        if len(ss) != len(ds):
+            raise LLMParamInvalid(f"src_blocks has {len(ss)} entries, dst_blocks has {len(ds)}")
+        if src.stride != dst.stride:
+            raise LLMParamInvalid(f"block sizes differ: source {src.stride} bytes, destination {dst.stride}")
+        if len(set(ds)) != len(ds):
+            raise LLMParamInvalid("dst_blocks names a block more than once")
+        s0, d0, cnt = coalesce_small(ss, ds)
+        stride = src.stride
+        if s_t.size * len(s0) <= 4 * SMALL:
+            return Plan.small(src_addrs, stride, dst_addrs, stride, s_t, d_t, s0, d0, [c * stride for c in cnt])
+        return Plan(src_addrs, stride, dst_addrs, stride, s_t, d_t, np.array(s0, dtype=np.int64),
+                    np.array(d0, dtype=np.int64), np.array(cnt, dtype=np.int64) * stride)
+    sb = block_list(src_blocks, src.num_blocks, "src_blocks")
+    db = block_list(dst_blocks, dst.num_blocks, "dst_blocks")
+    if sb.size != db.size:
+        raise LLMParamInvalid(f"src_blocks has {sb.size} entries, dst_blocks has {db.size}")
+    if src.stride != dst.stride:
+        raise LLMParamInvalid(f"block sizes differ: source {src.stride} bytes, destination {dst.stride}")
+    if np.unique(db).size != db.size:
+        raise LLMParamInvalid("dst_blocks names a block more than once")
+    s0, d0, cnt = coalesce(sb, db)
+    return Plan(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, s0, d0, cnt * src.stride)
+
+
+def plan_cache(src: CacheDesc, src_addrs: np.ndarray, src_batch: int, dst: CacheDesc, dst_addrs: np.ndarray,
+               dst_batch: int, size: int, ext: KvCacheExtParam | None) -> Plan:
+    """Runs for a whole-slot transfer: ``size`` bytes per tensor (-1 = the whole batch slot)."""
+    s_t, d_t = tensor_pairs(ext, src, dst)
+    for what, b, desc in (("source batch_index", src_batch, src), ("destination batch_index", dst_batch, dst)):
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < desc.num_blocks:
+            raise LLMParamInvalid(f"{what} {b!r} is outside 0..{desc.num_blocks - 1}")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise LLMParamInvalid(f"size must be an int, got {size!r}")
+    if size == -1:
+        if src.stride != dst.stride:
+            raise LLMParamInvalid(f"slot sizes differ ({src.stride} vs {dst.stride} bytes): pass size")
+        size = src.stride
+    if not 0 < size <= min(src.stride, dst.stride):
+        raise LLMParamInvalid(f"size {size} must be -1 or in 1..{min(src.stride, dst.stride)} (bytes per tensor slot)")
+    return Plan.small(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, [int(src_batch)],
+                      [int(dst_batch)], [int(size)])

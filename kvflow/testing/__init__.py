@@ -1,0 +1,1 @@
+"""Helpers for testing kvflow and code built on it (also a pytest plugin: see ``pytest_plugin``)."""

@@ -1,0 +1,260 @@
+"""The transport plugin contract, and finding transports by name.
+
+A transport moves bytes between registered memory here and registered memory on a linked
+peer. The core owns everything else: the control connection, cache lookup, planning,
+deadlines. A transport implements :class:`Transport` (one instance per ``LlmDataDist``) and
+:class:`Endpoint` (one per link), and is found through the entry-point group
+``kvflow.transports``::
+
+    [project.entry-points."kvflow.transports"]
+    shm = "kvflow_shm:ShmTransport"
+
+The life of a transport on one ``LlmDataDist``:
+
+1. ``unavailable_reason()`` (class method): ``None`` if it can run on this machine, else one line.
+2. ``Transport(ctx)``; ``describe()`` goes into the link handshake.
+3. ``register(cache)`` / ``unregister(cache)`` for every cache; ``register`` returns one
+   descriptor per tensor (``bytes`` or ``None``) that peers receive with the cache's description.
+4. At link time both sides call ``check_peer(peer_info)`` on the other's ``describe()``; the first
+   transport in the initiator's preference order that both accept is chosen, then each side calls
+   ``connect(peer_info, channel)`` and gets an :class:`Endpoint`.
+5. ``Endpoint.read(batch)`` / ``write(batch)`` move a :class:`RunBatch`; ``close()`` at unlink.
+
+Rules every transport keeps (``kvflow.testing.check_transport`` checks them):
+
+- Never block the event loop for more than about a millisecond: large copies run in a thread
+  or in bounded chunks.
+- ``read``/``write`` raise an ``LLMException`` subclass on failure (``LLMLinkFailed`` when the
+  link itself is gone, ``LLMKvCacheNotExist`` when the peer no longer has the cache).
+- When the task awaiting ``read`` is cancelled, ``read`` re-raises only once no further byte of
+  that read can land in local memory.
+- Report a broken endpoint with ``channel.broken(exc)`` so the core fails the link's futures.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
+
+import numpy as np
+
+from ._memory import LocalCache, Region, Registry
+from ._status import LLMFeatureNotEnabled
+from ._types import CacheDesc
+
+if TYPE_CHECKING:
+    import socket
+
+__all__ = [
+    "Endpoint",
+    "LinkChannel",
+    "LocalCache",
+    "Region",
+    "RemoteCache",
+    "RemoteRegion",
+    "RunBatch",
+    "Transport",
+    "TransportContext",
+    "available_transports",
+    "load_transport",
+]
+
+log = logging.getLogger("kvflow.transport")
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """One tensor of a peer's cache: address, size, and the peer transport's descriptor."""
+
+    addr: int
+    nbytes: int
+    desc: bytes | None = None
+
+
+@dataclass
+class RemoteCache:
+    """A peer's cache as seen over one link."""
+
+    cluster_id: int
+    cache_id: int
+    desc: CacheDesc
+    regions: tuple[RemoteRegion, ...]
+    inflight: int = 0
+    cache: dict[str, Any] = field(default_factory=dict)  # per-transport state (e.g. unpacked rkeys)
+
+    @property
+    def addrs(self) -> np.ndarray:
+        return np.fromiter((r.addr for r in self.regions), dtype=np.uint64, count=len(self.regions))
+
+
+@dataclass
+class RunBatch:
+    """Runs of one transfer, all in one direction: ``lengths[i]`` bytes between
+    ``local_addrs[i]`` (inside ``local_cache`` tensor ``local_tensor[i]``) and ``remote_addrs[i]``
+    (inside ``remote_cache`` tensor ``remote_tensor[i]``). Arrays are uint64 / int64."""
+
+    local_addrs: np.ndarray
+    remote_addrs: np.ndarray
+    lengths: np.ndarray
+    local_tensor: np.ndarray
+    remote_tensor: np.ndarray
+    local_cache: LocalCache
+    remote_cache: RemoteCache
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    def split(self, max_runs: int) -> list[RunBatch]:
+        """This batch cut into batches of at most ``max_runs`` runs."""
+        n = len(self)
+        if n <= max_runs:
+            return [self]
+        return [
+            RunBatch(
+                self.local_addrs[i : i + max_runs],
+                self.remote_addrs[i : i + max_runs],
+                self.lengths[i : i + max_runs],
+                self.local_tensor[i : i + max_runs],
+                self.remote_tensor[i : i + max_runs],
+                self.local_cache,
+                self.remote_cache,
+            )
+            for i in range(0, n, max_runs)
+        ]
+
+
+@dataclass
+class TransportContext:
+    """What the core hands a transport: who we are, our options, our registered caches."""
+
+    cluster_id: int
+    options: Mapping[str, str]
+    registry: Registry
+    instance: str  # random per LlmDataDist; distinguishes restarts
+
+
+class LinkChannel(abc.ABC):
+    """What the core offers a transport while it connects one link."""
+
+    initiator: bool
+    peer_cluster_id: int
+
+    @abc.abstractmethod
+    async def open_stream(self) -> socket.socket:
+        """A connected, non-blocking TCP socket to the peer, dedicated to this link's transport.
+
+        The initiator dials the peer's listen address; the acceptor receives the socket."""
+
+    @abc.abstractmethod
+    def broken(self, exc: BaseException) -> None:
+        """Report that the endpoint can no longer move data; the core fails the link."""
+
+
+class Endpoint(abc.ABC):
+    """One link's data path."""
+
+    @abc.abstractmethod
+    async def read(self, batch: RunBatch) -> None:
+        """Copy each remote run into its local run."""
+
+    @abc.abstractmethod
+    async def write(self, batch: RunBatch) -> None:
+        """Copy each local run into its remote run."""
+
+    def abort(self, exc: BaseException) -> None:  # noqa: B027 - optional hook
+        """Fail everything in flight at once (the link is gone); must not block."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the endpoint; in-flight operations fail with ``LLMLinkFailed``."""
+
+
+class Transport(abc.ABC):
+    """A way of moving bytes; one instance per LlmDataDist."""
+
+    name: ClassVar[str]
+    #: Whether device (GPU/NPU) memory can be registered with this transport.
+    supports_device_memory: ClassVar[bool] = False
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """``None`` if the transport can run on this machine, else why not, in one line."""
+        return None
+
+    def register(self, cache: LocalCache) -> list[bytes | None]:
+        """Prepare a newly registered cache; return one descriptor per tensor for peers."""
+        return [None] * len(cache.regions)
+
+    def unregister(self, cache: LocalCache) -> None:  # noqa: B027 - optional hook
+        """Release what ``register`` prepared."""
+
+    def describe(self) -> dict[str, Any]:
+        """This side's handshake information (msgpack-serialisable)."""
+        return {}
+
+    def check_peer(self, info: Mapping[str, Any]) -> str | None:
+        """``None`` if this transport can reach the peer described by ``info``, else why not."""
+        return None
+
+    @abc.abstractmethod
+    async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:
+        """Open this link's endpoint to the peer described by ``info``."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the transport (at finalize)."""
+
+
+TransportFactory = Callable[[TransportContext], Transport]
+_Awaitable = Awaitable[None]
+
+
+def _builtin() -> dict[str, type[Transport]]:
+    from ._tcp import TcpTransport
+
+    return {"tcp": TcpTransport}
+
+
+def _entry_point_names() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group="kvflow.transports")}
+
+
+def load_transport(name: str) -> type[Transport]:
+    """The transport class called ``name``; LLMFeatureNotEnabled (with the reason) if unusable."""
+    builtin = _builtin()
+    if name in builtin:
+        cls = builtin[name]
+    else:
+        ep = _entry_point_names().get(name)
+        if ep is None:
+            known = ", ".join(sorted(set(builtin) | set(_entry_point_names())))
+            raise LLMFeatureNotEnabled(f"no transport called {name!r} is installed (installed: {known})")
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken plugin must not break kvflow
+            raise LLMFeatureNotEnabled(f"{name}: cannot load {ep.value}: {exc}") from exc
+    reason = cls.unavailable_reason()
+    if reason:
+        raise LLMFeatureNotEnabled(f"{name}: {reason}")
+    return cls
+
+
+def available_transports() -> dict[str, str]:
+    """Every installed transport, with ``"ok"`` or the one-line reason it cannot run here."""
+    out: dict[str, str] = {}
+    for name in sorted(set(_builtin()) | set(_entry_point_names())):
+        try:
+            load_transport(name)
+        except LLMFeatureNotEnabled as exc:
+            out[name] = str(exc.args[0]).removeprefix(f"{name}: ")
+        else:
+            out[name] = "ok"
+    return out

@@ -1,0 +1,3 @@
+from setuptools import setup
+
+setup(cffi_modules=["src/kvflow_shm/_build.py:ffibuilder"])

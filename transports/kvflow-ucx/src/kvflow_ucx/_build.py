@@ -1,0 +1,580 @@
+"""Build-time only: the cffi (API, out-of-line) definition of ``kvflow_ucx._native``.
+
+Never imported at run time. UCX headers and libraries come from, in order:
+
+1. ``KVFLOW_UCX_PREFIX`` (a UCX install prefix: ``<prefix>/include/ucp/api/ucp.h`` and
+   ``libucp.so`` in ``<prefix>/lib``, ``lib64`` or ``lib/<multiarch>``); the library directory
+   is baked in as the run path;
+2. the ``libucx`` package of the ``libucx-cu12`` wheel; the run path is ``$ORIGIN/../libucx/lib``
+   (both installed in one site-packages) and the package preloads the wheel's libraries if that
+   fails (editable installs).
+
+The C shim below keeps every UCP parameter struct, macro and callback on the C side: Python sees
+plain functions on opaque handles, and completions arrive as an array of events it drains after
+each progress call.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from cffi import FFI
+
+CDEF = r"""
+typedef struct kvf_worker kvf_worker;
+typedef struct kvf_ep kvf_ep;
+typedef struct kvf_op kvf_op;
+typedef struct ucp_mem *ucp_mem_h;
+typedef struct ucp_rkey *ucp_rkey_h;
+
+typedef struct {
+    uint64_t id;
+    int32_t kind;
+    int32_t status;
+} kvf_event;
+
+#define KVF_EV_OP ...
+#define KVF_EV_EP_ERROR ...
+
+static const int UCS_OK;
+static const int UCS_INPROGRESS;
+static const int UCS_ERR_NO_MESSAGE;
+static const int UCS_ERR_NO_RESOURCE;
+static const int UCS_ERR_IO_ERROR;
+static const int UCS_ERR_NO_MEMORY;
+static const int UCS_ERR_INVALID_PARAM;
+static const int UCS_ERR_UNREACHABLE;
+static const int UCS_ERR_INVALID_ADDR;
+static const int UCS_ERR_NOT_IMPLEMENTED;
+static const int UCS_ERR_MESSAGE_TRUNCATED;
+static const int UCS_ERR_NO_PROGRESS;
+static const int UCS_ERR_BUFFER_TOO_SMALL;
+static const int UCS_ERR_NO_ELEM;
+static const int UCS_ERR_SOME_CONNECTS_FAILED;
+static const int UCS_ERR_NO_DEVICE;
+static const int UCS_ERR_BUSY;
+static const int UCS_ERR_CANCELED;
+static const int UCS_ERR_SHMEM_SEGMENT;
+static const int UCS_ERR_ALREADY_EXISTS;
+static const int UCS_ERR_OUT_OF_RANGE;
+static const int UCS_ERR_TIMED_OUT;
+static const int UCS_ERR_EXCEEDS_LIMIT;
+static const int UCS_ERR_UNSUPPORTED;
+static const int UCS_ERR_REJECTED;
+static const int UCS_ERR_NOT_CONNECTED;
+static const int UCS_ERR_CONNECTION_RESET;
+static const int UCS_ERR_FIRST_LINK_FAILURE;
+static const int UCS_ERR_LAST_LINK_FAILURE;
+static const int UCS_ERR_FIRST_ENDPOINT_FAILURE;
+static const int UCS_ERR_ENDPOINT_TIMEOUT;
+static const int UCS_ERR_LAST_ENDPOINT_FAILURE;
+
+static const int KVF_MEM_HOST;
+static const int KVF_MEM_AUTO;
+
+const char *kvf_status_string(int status);
+void kvf_versions(unsigned *hdr_major, unsigned *hdr_minor,
+                  unsigned *lib_major, unsigned *lib_minor, unsigned *lib_release);
+void kvf_free(void *p);
+
+int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_worker **out);
+void kvf_worker_destroy(kvf_worker *w);
+int kvf_worker_efd(kvf_worker *w);
+int kvf_worker_arm(kvf_worker *w);
+unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds);
+size_t kvf_worker_events(kvf_worker *w, kvf_event *out, size_t max);
+int kvf_worker_address(kvf_worker *w, void **addr, size_t *len);
+char *kvf_worker_info(kvf_worker *w);
+
+int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out);
+int kvf_mem_unmap(kvf_worker *w, ucp_mem_h memh);
+int kvf_rkey_pack(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len);
+
+int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out);
+int kvf_ep_rkey_unpack(kvf_ep *e, const void *buf, ucp_rkey_h *out);
+void kvf_rkey_destroy(ucp_rkey_h rkey);
+int kvf_ep_close(kvf_ep *e, int force, kvf_op *op);
+char *kvf_ep_info(kvf_ep *e);
+
+kvf_op *kvf_op_new(kvf_worker *w, uint64_t id);
+size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
+               const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
+               const int64_t *lidx, ucp_mem_h *memh_tab,
+               const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes);
+int kvf_op_flush(kvf_op *op, kvf_ep *e);
+int kvf_op_status(kvf_op *op);
+int kvf_op_finish(kvf_op *op, int *status);
+"""
+
+SOURCE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucp/api/ucp.h>
+
+#define KVF_EV_OP 1
+#define KVF_EV_EP_ERROR 2
+static const int KVF_MEM_HOST = UCS_MEMORY_TYPE_HOST;
+static const int KVF_MEM_AUTO = -1;
+
+typedef struct {
+    uint64_t id;
+    int32_t kind;
+    int32_t status;
+} kvf_event;
+
+typedef struct kvf_worker {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    int efd;
+    kvf_event *ev;
+    size_t nev, cap;
+} kvf_worker;
+
+typedef struct kvf_ep {
+    kvf_worker *w;
+    ucp_ep_h ep;
+    uint64_t id;
+    int closing;
+} kvf_ep;
+
+/* One batch (or one close): the count of outstanding UCX requests plus one while issuing. */
+typedef struct kvf_op {
+    kvf_worker *w;
+    uint64_t id;
+    int64_t pending;
+    ucs_status_t status;
+    kvf_ep *free_ep;  /* a closed endpoint's record, freed with the op */
+} kvf_op;
+
+static void kvf_push(kvf_worker *w, uint64_t id, int kind, ucs_status_t status)
+{
+    if (w->nev == w->cap) {
+        size_t cap = w->cap ? w->cap * 2 : 64;
+        kvf_event *ev = realloc(w->ev, cap * sizeof(*ev));
+        if (ev == NULL) {
+            abort();  /* cannot report a completion: nothing sane left to do */
+        }
+        w->ev = ev;
+        w->cap = cap;
+    }
+    w->ev[w->nev].id = id;
+    w->ev[w->nev].kind = kind;
+    w->ev[w->nev].status = status;
+    w->nev++;
+}
+
+const char *kvf_status_string(int status) { return ucs_status_string((ucs_status_t)status); }
+
+void kvf_free(void *p) { free(p); }
+
+void kvf_versions(unsigned *hdr_major, unsigned *hdr_minor,
+                  unsigned *lib_major, unsigned *lib_minor, unsigned *lib_release)
+{
+    *hdr_major = UCP_API_MAJOR;
+    *hdr_minor = UCP_API_MINOR;
+    ucp_get_version(lib_major, lib_minor, lib_release);
+}
+
+int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_worker **out)
+{
+    ucp_config_t *config;
+    ucp_params_t params;
+    ucp_worker_params_t wparams;
+    ucs_status_t st;
+    size_t i;
+    kvf_worker *w = calloc(1, sizeof(*w));
+
+    if (w == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    st = ucp_config_read(NULL, NULL, &config);
+    if (st != UCS_OK) {
+        free(w);
+        return st;
+    }
+    for (i = 0; i < n; i++) {
+        st = ucp_config_modify(config, keys[i], values[i]);
+        if (st != UCS_OK) {
+            ucp_config_release(config);
+            free(w);
+            return st;
+        }
+    }
+    memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                        UCP_PARAM_FIELD_NAME;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    params.name = "kvflow";
+    st = ucp_init(&params, config, &w->ctx);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+        free(w);
+        return st;
+    }
+    memset(&wparams, 0, sizeof(wparams));
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    st = ucp_worker_create(w->ctx, &wparams, &w->worker);
+    if (st != UCS_OK) {
+        ucp_cleanup(w->ctx);
+        free(w);
+        return st;
+    }
+    st = ucp_worker_get_efd(w->worker, &w->efd);
+    if (st != UCS_OK) {
+        ucp_worker_destroy(w->worker);
+        ucp_cleanup(w->ctx);
+        free(w);
+        return st;
+    }
+    *out = w;
+    return UCS_OK;
+}
+
+void kvf_worker_destroy(kvf_worker *w)
+{
+    ucp_worker_destroy(w->worker);
+    ucp_cleanup(w->ctx);
+    free(w->ev);
+    free(w);
+}
+
+int kvf_worker_efd(kvf_worker *w) { return w->efd; }
+
+int kvf_worker_arm(kvf_worker *w) { return ucp_worker_arm(w->worker); }
+
+unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds)
+{
+    unsigned total = 0, n, r;
+    for (r = 0; r < max_rounds; r++) {
+        n = ucp_worker_progress(w->worker);
+        if (n == 0) {
+            break;
+        }
+        total += n;
+    }
+    return total;
+}
+
+size_t kvf_worker_events(kvf_worker *w, kvf_event *out, size_t max)
+{
+    size_t n = w->nev < max ? w->nev : max;
+    memcpy(out, w->ev, n * sizeof(*out));
+    memmove(w->ev, w->ev + n, (w->nev - n) * sizeof(*out));
+    w->nev -= n;
+    return n;
+}
+
+int kvf_worker_address(kvf_worker *w, void **addr, size_t *len)
+{
+    ucp_worker_attr_t attr;
+    ucs_status_t st;
+    void *copy;
+
+    memset(&attr, 0, sizeof(attr));
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    st = ucp_worker_query(w->worker, &attr);
+    if (st != UCS_OK) {
+        return st;
+    }
+    copy = malloc(attr.address_length);
+    if (copy == NULL) {
+        ucp_worker_release_address(w->worker, attr.address);
+        return UCS_ERR_NO_MEMORY;
+    }
+    memcpy(copy, attr.address, attr.address_length);
+    *addr = copy;
+    *len = attr.address_length;
+    ucp_worker_release_address(w->worker, attr.address);
+    return UCS_OK;
+}
+
+char *kvf_worker_info(kvf_worker *w)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (f == NULL) {
+        return NULL;
+    }
+    ucp_worker_print_info(w->worker, f);
+    fclose(f);
+    return buf;
+}
+
+int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out)
+{
+    ucp_mem_map_params_t p;
+    memset(&p, 0, sizeof(p));
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    p.address = (void *)(uintptr_t)addr;
+    p.length = len;
+    if (mem_type >= 0) {
+        p.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        p.memory_type = (ucs_memory_type_t)mem_type;
+    }
+    return ucp_mem_map(w->ctx, &p, out);
+}
+
+int kvf_mem_unmap(kvf_worker *w, ucp_mem_h memh) { return ucp_mem_unmap(w->ctx, memh); }
+
+int kvf_rkey_pack(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len)
+{
+    void *rbuf;
+    void *copy;
+    ucs_status_t st = ucp_rkey_pack(w->ctx, memh, &rbuf, len);
+    if (st != UCS_OK) {
+        return st;
+    }
+    copy = malloc(*len);
+    if (copy == NULL) {
+        ucp_rkey_buffer_release(rbuf);
+        return UCS_ERR_NO_MEMORY;
+    }
+    memcpy(copy, rbuf, *len);
+    ucp_rkey_buffer_release(rbuf);
+    *buf = copy;
+    return UCS_OK;
+}
+
+static void kvf_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    kvf_ep *e = arg;
+    (void)ep;
+    if (!e->closing) {
+        kvf_push(e->w, e->id, KVF_EV_EP_ERROR, status);
+    }
+}
+
+int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
+{
+    ucp_ep_params_t p;
+    ucs_status_t st;
+    kvf_ep *e = calloc(1, sizeof(*e));
+
+    if (e == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    e->w = w;
+    e->id = id;
+    memset(&p, 0, sizeof(p));
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = (const ucp_address_t *)addr;
+    p.err_mode = getenv("KVF_NOERR") ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = kvf_ep_err_cb;
+    p.err_handler.arg = e;
+    st = ucp_ep_create(w->worker, &p, &e->ep);
+    if (st != UCS_OK) {
+        free(e);
+        return st;
+    }
+    *out = e;
+    return UCS_OK;
+}
+
+int kvf_ep_rkey_unpack(kvf_ep *e, const void *buf, ucp_rkey_h *out)
+{
+    return ucp_ep_rkey_unpack(e->ep, buf, out);
+}
+
+void kvf_rkey_destroy(ucp_rkey_h rkey) { ucp_rkey_destroy(rkey); }
+
+char *kvf_ep_info(kvf_ep *e)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (f == NULL) {
+        return NULL;
+    }
+    ucp_ep_print_info(e->ep, f);
+    fclose(f);
+    return buf;
+}
+
+kvf_op *kvf_op_new(kvf_worker *w, uint64_t id)
+{
+    kvf_op *op = calloc(1, sizeof(*op));
+    if (op != NULL) {
+        op->w = w;
+        op->id = id;
+        op->pending = 1;
+        op->status = UCS_OK;
+    }
+    return op;
+}
+
+static void kvf_op_release(kvf_op *op)
+{
+    if (--op->pending == 0) {
+        kvf_push(op->w, op->id, KVF_EV_OP, op->status);
+        free(op->free_ep);
+        free(op);
+    }
+}
+
+static void kvf_op_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvf_op *op = user_data;
+    if (status != UCS_OK && op->status == UCS_OK) {
+        op->status = status;
+    }
+    ucp_request_free(request);
+    kvf_op_release(op);
+}
+
+/* Account for what a UCX call returned: an immediate status, or a request whose callback
+ * will release the op later. Returns the immediate error, or UCS_OK. */
+static ucs_status_t kvf_op_track(kvf_op *op, ucs_status_ptr_t ret)
+{
+    ucs_status_t st;
+    if (UCS_PTR_IS_PTR(ret)) {
+        op->pending++;
+        return UCS_OK;
+    }
+    st = UCS_PTR_STATUS(ret);
+    if (st != UCS_OK && op->status == UCS_OK) {
+        op->status = st;
+    }
+    return st;
+}
+
+size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
+               const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
+               const int64_t *lidx, ucp_mem_h *memh_tab,
+               const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t ret;
+    uint64_t bytes = 0;
+    size_t i;
+
+    if (op->status != UCS_OK) {
+        return 0;
+    }
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     (memh_tab != NULL ? UCP_OP_ATTR_FIELD_MEMH : 0);
+    p.cb.send = kvf_op_cb;
+    p.user_data = op;
+    for (i = 0; i < n; i++) {
+        if (i > 0 && bytes >= max_bytes) {
+            break;
+        }
+        if (memh_tab != NULL) {
+            p.memh = memh_tab[lidx[i]];
+        }
+        if (is_put) {
+            ret = ucp_put_nbx(e->ep, (const void *)(uintptr_t)laddr[i], len[i], raddr[i],
+                              rkey_tab[ridx[i]], &p);
+        } else {
+            ret = ucp_get_nbx(e->ep, (void *)(uintptr_t)laddr[i], len[i], raddr[i],
+                              rkey_tab[ridx[i]], &p);
+        }
+        bytes += len[i];
+        if (kvf_op_track(op, ret) != UCS_OK) {
+            return i + 1;
+        }
+    }
+    return i;
+}
+
+int kvf_op_flush(kvf_op *op, kvf_ep *e)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = kvf_op_cb;
+    p.user_data = op;
+    return kvf_op_track(op, ucp_ep_flush_nbx(e->ep, &p));
+}
+
+int kvf_op_status(kvf_op *op) { return op->status; }
+
+/* Drop the issuing reference. Returns 1 if the op is complete (and freed; *status is set),
+ * 0 if a KVF_EV_OP event with its id will follow. */
+int kvf_op_finish(kvf_op *op, int *status)
+{
+    if (op->pending == 1) {
+        *status = op->status;
+        free(op->free_ep);
+        free(op);
+        return 1;
+    }
+    op->pending--;
+    return 0;
+}
+
+/* Close an endpoint; its record is freed when ``op`` completes. */
+int kvf_ep_close(kvf_ep *e, int force, kvf_op *op)
+{
+    ucp_request_param_t p;
+    e->closing = 1;
+    op->free_ep = e;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    p.cb.send = kvf_op_cb;
+    p.user_data = op;
+    return kvf_op_track(op, ucp_ep_close_nbx(e->ep, &p));
+}
+"""
+
+
+def _lib_dir(prefix: str) -> str:
+    cands = [os.path.join(prefix, "lib"), os.path.join(prefix, "lib64")]
+    cands += sorted(glob.glob(os.path.join(prefix, "lib", "*-linux-gnu")))
+    for d in cands:
+        if os.path.exists(os.path.join(d, "libucp.so")):
+            return d
+    raise RuntimeError(f"KVFLOW_UCX_PREFIX={prefix}: no libucp.so in {', '.join(cands)}")
+
+
+def _locate() -> tuple[str, str, list[str]]:
+    """(include dir, library dir, run paths) of the UCX to build against."""
+    prefix = os.environ.get("KVFLOW_UCX_PREFIX")
+    if prefix:
+        inc = os.path.join(prefix, "include")
+        if not os.path.exists(os.path.join(inc, "ucp", "api", "ucp.h")):
+            raise RuntimeError(f"KVFLOW_UCX_PREFIX={prefix}: no include/ucp/api/ucp.h")
+        lib = _lib_dir(prefix)
+        return inc, lib, [lib]
+    try:
+        import libucx
+    except ImportError as exc:
+        raise RuntimeError(
+            "kvflow-ucx needs UCX headers: install libucx-cu12 (a build requirement) "
+            "or set KVFLOW_UCX_PREFIX to a UCX install prefix"
+        ) from exc
+    root = os.path.dirname(libucx.__file__)
+    return os.path.join(root, "include"), os.path.join(root, "lib"), ["$ORIGIN/../libucx/lib"]
+
+
+def make_ffi() -> FFI:
+    """The FFI builder for ``kvflow_ucx._native``."""
+    inc, lib, rpath = _locate()
+    ffi = FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(
+        "kvflow_ucx._native",
+        SOURCE,
+        include_dirs=[inc],
+        library_dirs=[lib],
+        libraries=["ucp", "uct", "ucs"],
+        extra_link_args=[f"-Wl,-rpath,{p}" for p in rpath] + ["-Wl,--disable-new-dtags"],
+        extra_compile_args=["-O2", "-std=gnu99", "-Wall"],
+    )
+    return ffi
+
+
+ffibuilder = make_ffi()
+
+if __name__ == "__main__":  # build in place: python src/kvflow_ucx/_build.py
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    sys.exit(0 if ffibuilder.compile(tmpdir=out, verbose=True) else 1)
