@@ -36,6 +36,7 @@ class Row:
     kvflow: float
     raw: float
     unit: str
+    baseline: str = "raw socket"
 
     @property
     def ratio(self) -> float:
@@ -181,7 +182,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                     kv = await _kv_throughput(dd, ci, locals_[name], desc, op, scattered, repeat)
                     rb = base.throughput(desc.tensor_bytes, desc.stride, op)
                     label = f"{name} scattered" if scattered else name
-                    rows.append(Row(t, op, label, kv, rb, "GiB/s"))
+                    rows.append(Row(t, op, label, kv, rb, "GiB/s", base_name))
                     if progress:
                         progress(rows[-1])
             ci = CacheIndex(1, info["caches"]["lat"])
@@ -194,7 +195,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                     lat.append(time.perf_counter() - t0)
             rlat = base.latency(lat_iters)
             for q, label in ((50, "p50"), (99, "p99")):
-                rows.append(Row(t, f"4 KiB pull {label}", "4 KiB", _pct(lat, q), _pct(rlat, q), "us"))
+                rows.append(Row(t, f"4 KiB pull {label}", "4 KiB", _pct(lat, q), _pct(rlat, q), "us", base_name))
                 if progress:
                     progress(rows[-1])
             await dd.finalize()
@@ -239,8 +240,8 @@ def _plugin_baseline(name: str, pid: int, buf: np.ndarray, repeat: int) -> tuple
 def format_rows(rows: list[Row]) -> list[list[str]]:
     out = []
     for r in rows:
-        out.append([r.transport, r.op, r.block, f"{r.kvflow:.2f} {r.unit}", f"{r.raw:.2f} {r.unit}",
-                    f"{r.ratio:.2f}"])
+        out.append([r.transport, r.op, r.block, f"{r.kvflow:.2f} {r.unit}", r.baseline,
+                    f"{r.raw:.2f} {r.unit}", f"{r.ratio:.2f}"])
     return out
 
 

@@ -65,7 +65,7 @@ def _bench(args: argparse.Namespace) -> int:
                   f"best of {args.repeat}; baselines measured in the same run between the same two processes")
     rows = main_bench(names, total, args.repeat)
     table = Table(title="kvflow vs raw baseline (ratio: higher is better for kvflow)")
-    for col in ("transport", "op", "block", "kvflow", "raw", "ratio"):
+    for col in ("transport", "op", "block", "kvflow", "baseline", "baseline figure", "ratio"):
         table.add_column(col)
     for r in format_rows(rows):
         table.add_row(*r)

@@ -15,12 +15,14 @@ import numpy as np
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
-from ._link import Link, LinkState, StreamChannel, describe_local, open_socket
+from ._layerwise import CacheTask, LayerSynchronizer, TransferConfig, start_transfer
+from ._link import Link, StreamChannel, describe_local, open_socket
 from ._memory import LocalCache, Registry
+from ._metrics import Metrics, end_span, event, link_span
+from ._metrics import now as metrics_now
 from ._options import Options, parse_options
 from ._plan import Plan, block_list, layer_tensors, plan_blocks, plan_cache
 from ._status import (
-    LLMAlreadyLink,
     LLMClusterNumExceedLimit,
     LLMException,
     LLMFailed,
@@ -28,7 +30,6 @@ from ._status import (
     LLMKvCacheNotExist,
     LLMLinkFailed,
     LLMNotYetLink,
-    LLMOutOfMemory,
     LLMParamInvalid,
     LLMStatusCode,
     LLMTimeoutError,
@@ -87,6 +88,7 @@ class LlmDataDist:
         self._initialized = False
         self._finalized = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._metrics = Metrics(self.cluster_id)
 
     def __repr__(self) -> str:
         state = "ready" if self._initialized else ("finalized" if self._finalized else "new")
@@ -112,7 +114,7 @@ class LlmDataDist:
             except LLMFeatureNotEnabled as exc:
                 if opts.transports_pinned and len(opts.transports) == 1:
                     raise
-                log.info("transport %s not used: %s", name, exc.args[0])
+                event("transport_unavailable", cluster=self.cluster_id, transport=name, reason=exc.args[0])
                 continue
             transports[name] = cls(TransportContext(self.cluster_id, ctx_opts, self._registry, self._instance))
         if not transports:
@@ -123,8 +125,9 @@ class LlmDataDist:
         if opts.listen is not None:
             self._server = self._listen(opts.listen)
         self._initialized = True
-        log.info("cluster %d initialized: transports %s, listening on %s",
-                 self.cluster_id, ",".join(self._order), self.listen_address)
+        listen = self.listen_address
+        event("initialized", cluster=self.cluster_id, role=self.role.name, transports=",".join(self._order),
+              listen=f"{listen[0]}:{listen[1]}" if listen else "-")
 
     async def finalize(self) -> None:
         """Close every link (locally), the listener, the transports; unregister every cache."""
@@ -303,22 +306,29 @@ class LlmDataDist:
             log.warning("refusing to link cluster %d to itself", cid)
             return LLMStatusCode.LLM_PARAM_INVALID
         self._linking.add(cid)
+        span = link_span(self.cluster_id, cid, address)
+        code, why = LLMStatusCode.LLM_LINK_FAILED, ""
         try:
             async with timeout_after(timeout):
                 link = await self._dial(cid, address, info.local_ip_infos[0].ip if info.local_ip_infos else None,
                                         timeout)
         except TIMEOUT_ERRORS:
-            log.warning("link to cluster %d at %s:%d timed out after %.3f s", cid, *address, timeout)
-            return LLMStatusCode.LLM_LINK_FAILED
+            why = f"timed out after {timeout:.3f} s"
         except LLMException as exc:
-            log.warning("link to cluster %d at %s:%d failed: %s", cid, *address, exc)
-            return exc.status_code
+            code, why = exc.status_code, str(exc)
         except (OSError, asyncio.IncompleteReadError) as exc:
-            log.warning("link to cluster %d at %s:%d failed: %s", cid, *address, exc)
-            return LLMStatusCode.LLM_LINK_FAILED
+            why = str(exc) or type(exc).__name__
+        except BaseException:
+            end_span(span, "CANCELLED")
+            raise
         finally:
             self._linking.discard(cid)
+        if why:
+            self._metrics.link_failed(cid, address, code.name, why)
+            end_span(span, code.name)
+            return code
         self._install(link)
+        end_span(span, None, transport=link.transport)
         return LLMStatusCode.LLM_SUCCESS
 
     async def _dial(self, cid: int, address: tuple[str, int], local_ip: str | None, timeout: float) -> Link:
@@ -364,8 +374,8 @@ class LlmDataDist:
                 writer.write(wire.pack({"t": "choose", "transport": None}))
                 raise LLMLinkFailed(f"no transport both sides can use ({fallbacks})")
             name, peer_info = chosen
-            for skipped, why in fallbacks.items():
-                log.info("link to cluster %d: %s not used: %s", cid, skipped, why)
+            event("transport_chosen", cluster=self.cluster_id, peer=cid, transport=name, initiator=True,
+                  skipped=";".join(f"{k}:{v}" for k, v in fallbacks.items()) or "-")
             writer.write(wire.pack({"t": "choose", "transport": name}))
             token = wire.field(msg, "token", bytes)
             channel = StreamChannel(True, cid, token, address=address)
@@ -392,10 +402,13 @@ class LlmDataDist:
         old = self._links.get(link.remote_cluster_id)
         if old is not None and old is not link:
             old.close("replaced by a new link")
-            asyncio.ensure_future(old.wait_closed())
+            task = asyncio.ensure_future(old.wait_closed())
+            self._accepting.add(task)
+            task.add_done_callback(self._accepting.discard)
         self._links[link.remote_cluster_id] = link
         link.on_peer_bye = self._peer_left
-        log.info("linked with cluster %d over %s", link.remote_cluster_id, link.transport)
+        link.on_closed = self._metrics.link_down
+        self._metrics.link_up(link)
 
     def _peer_left(self, link: Link) -> None:
         if self._links.get(link.remote_cluster_id) is link:
@@ -432,6 +445,15 @@ class LlmDataDist:
         link.close("unlinked")
         await link.wait_closed()
         return status
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of this instance's counters, as plain data (see docs/observability.md).
+
+        ``total``/``ops``/``links[peer]["series"][transport][op]`` hold ``transfers``, ``bytes``,
+        ``runs`` (successful transfers), ``errors`` (failed transfers by status name) and the
+        ``latency`` histogram of successful transfers; ``link_events`` counts links up and down."""
+        states = {cid: (link.transport, link.state.value) for cid, link in self._links.items()}
+        return self._metrics.snapshot(states)
 
     def link_info(self, cluster_id: int) -> LinkInfo:
         """State and transport of the link to ``cluster_id`` (LLMNotYetLink if there is none)."""
@@ -497,7 +519,7 @@ class LlmDataDist:
                     return
             handed_off = True
             await self._serve_control(sock)
-        except (TIMEOUT_ERRORS + (OSError, asyncio.IncompleteReadError, LLMException)) as exc:
+        except (*TIMEOUT_ERRORS, OSError, asyncio.IncompleteReadError, LLMException) as exc:
             log.info("incoming connection dropped: %s", exc)
         finally:
             if not handed_off:
@@ -567,8 +589,8 @@ class LlmDataDist:
                     if not isinstance(name, str) or name not in [a[0] for a in accepted]:
                         raise wire.ProtocolError(f"peer chose a transport we did not offer: {name!r}")
                     peer_info = next(e[1] for e in offered if e[0] == name)
-                    for s, why in skipped.items():
-                        log.info("link from cluster %d: %s not used: %s", peer, s, why)
+                    event("transport_chosen", cluster=self.cluster_id, peer=peer, transport=name, initiator=False,
+                          skipped=";".join(f"{k}:{v}" for k, v in skipped.items()) or "-")
                     channel = StreamChannel(False, peer, token, waiter=waiter)
                     try:
                         endpoint = await self._transports[name].connect(peer_info, channel)
@@ -614,7 +636,7 @@ class LlmDataDist:
             link.closing = True
             if self._links.get(link.remote_cluster_id) is link:
                 del self._links[link.remote_cluster_id]
-            asyncio.get_running_loop().call_soon(link.close, "unlinked by peer")
+            # the peer hangs up once it has our answer; its hang-up then closes this side quietly
             return {}
         raise LLMParamInvalid(f"unknown request {op!r}")
 
@@ -682,6 +704,20 @@ class LlmDataDist:
     async def _transfer(self, direction: str, ci: CacheIndex, local: LocalCache,
                         planner: Callable[[RemoteCache], Plan], timeout_in_millis: int | None,
                         precheck: Callable[[], None]) -> None:
+        """``_transfer_once``, counted in ``stats()`` (and traced when OpenTelemetry is set up)."""
+        metrics = self._metrics
+        span = metrics.start_span(direction, ci.cluster_id, ci.cache_id)
+        t0 = metrics_now()
+        try:
+            transport, batch = await self._transfer_once(direction, ci, local, planner, timeout_in_millis, precheck)
+        except BaseException as exc:
+            metrics.failed(direction, ci.cluster_id, self._links.get(ci.cluster_id), exc, metrics_now() - t0, span)
+            raise
+        metrics.done(direction, ci.cluster_id, transport, batch, metrics_now() - t0, span)
+
+    async def _transfer_once(self, direction: str, ci: CacheIndex, local: LocalCache,
+                             planner: Callable[[RemoteCache], Plan], timeout_in_millis: int | None,
+                             precheck: Callable[[], None]) -> tuple[str, RunBatch]:
         """Plan against the peer's cache and run the batch on the link's endpoint, within the deadline.
 
         ``precheck`` holds the checks that need only the local cache; they run before the peer is
@@ -714,12 +750,74 @@ class LlmDataDist:
                         await endpoint.write(batch)
                 finally:
                     remote.inflight -= 1
+                return link.transport, batch
         except TIMEOUT_ERRORS as exc:
             if isinstance(exc, LLMException):
                 raise
             raise LLMTimeoutError(
                 f"{direction} with cluster {ci.cluster_id} cache {ci.cache_id} did not finish within "
                 f"{timeout * 1000:.0f} ms") from None
+        except LLMKvCacheNotExist:
+            link.forget(ci.cache_id)
+            raise
+        finally:
+            local.unpin()
+
+    # ------------------------------------------------------------------ layer-wise push
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: Sequence[TransferConfig], src_block_indices: Sequence[int] | None = None,
+                             dst_block_indices: Sequence[int] | None = None, tensor_num_per_layer: int = 2, *,
+                             timeout_in_millis: int | None = None) -> CacheTask:
+        """Push ``src_cache`` layer by layer to every config's destination, each layer as soon as
+        ``layer_synchronizer`` says it is ready; returns a :class:`CacheTask` at once (``await`` it).
+
+        With block indices: block push; without: whole-slot push (``src_batch_index`` to
+        ``dst_cache_index.batch_index``). Checks that need only local state raise ``LLMParamInvalid``
+        here. Deadline: ``timeout_in_millis`` for the whole task, else ``llm.SyncKvCacheWaitTime`` per
+        layer. See docs/layerwise.md."""
+        self._ready()
+        local = self._local(src_cache, "src_cache")
+        return start_transfer(self, local, layer_synchronizer, transfer_configs, src_block_indices,
+                              dst_block_indices, tensor_num_per_layer, timeout_in_millis)
+
+    async def _layerwise_target(self, ci: CacheIndex, local: LocalCache, planner: Callable[[RemoteCache], Plan],
+                                timeout: float) -> tuple[Link, RemoteCache, Plan]:
+        """Look up the peer's cache and plan every layer of one ``transfer_cache_async`` config."""
+        link = self._link(ci.cluster_id)
+        if timeout <= 0:
+            raise LLMTimeoutError(f"no time left to look up cache {ci.cache_id} on cluster {ci.cluster_id}")
+        try:
+            async with timeout_after(timeout):
+                remote = await link.remote_cache(ci.cache_id, timeout)
+        except TIMEOUT_ERRORS as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMTimeoutError(f"cluster {ci.cluster_id} did not describe cache {ci.cache_id} within "
+                                  f"{timeout * 1000:.0f} ms") from None
+        return link, remote, planner(remote)
+
+    async def _layerwise_write(self, link: Link, ci: CacheIndex, local: LocalCache, remote: RemoteCache,
+                               batch: RunBatch, timeout: float) -> None:
+        """Write some planned runs of a ``transfer_cache_async`` config (the push half of ``_transfer``)."""
+        if local.closing or self._registry._caches.get(local.cache_id) is not local:
+            raise LLMKvCacheNotExist(f"cache {local.cache_id} was unregistered during the transfer")
+        if link.remotes.get(ci.cache_id) is not remote:
+            raise LLMKvCacheNotExist(f"cache {ci.cache_id} on cluster {ci.cluster_id} was unregistered "
+                                     "during the transfer")
+        endpoint = link.check()
+        local.pin()
+        try:
+            async with timeout_after(timeout):
+                remote.inflight += 1
+                try:
+                    await endpoint.write(batch)
+                finally:
+                    remote.inflight -= 1
+        except TIMEOUT_ERRORS as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMTimeoutError(f"push to cluster {ci.cluster_id} cache {ci.cache_id} did not finish within "
+                                  f"the transfer's deadline") from None
         except LLMKvCacheNotExist:
             link.forget(ci.cache_id)
             raise

@@ -291,8 +291,11 @@ class Link:
         """The link can no longer be used: fail everything in flight, at once."""
         if self.state in (LinkState.BROKEN, LinkState.CLOSED):
             return
-        log.log(logging.DEBUG if self.closing else logging.WARNING,
-                "link to cluster %d broken: %s", self.remote_cluster_id, exc)
+        if self.closing:  # an unlink or finalize under way: the hang-up was expected
+            log.debug("link to cluster %d closed by the peer: %s", self.remote_cluster_id, exc)
+            self.close(str(exc))
+            return
+        log.warning("link to cluster %d broken: %s", self.remote_cluster_id, exc)
         self.state = LinkState.BROKEN
         self.error = exc
         self._shutdown(exc)

@@ -126,7 +126,7 @@ def coalesce_small(src: list[int], dst: list[int]) -> tuple[list[int], list[int]
 class Plan:
     """Runs between a source and a destination cache (addresses per tensor, strides in bytes)."""
 
-    __slots__ = ("src_addr", "dst_addr", "length", "src_tensor", "dst_tensor")
+    __slots__ = ("dst_addr", "dst_tensor", "length", "src_addr", "src_tensor")
 
     def __init__(self, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
                  src_t: np.ndarray, dst_t: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray,

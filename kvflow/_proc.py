@@ -74,6 +74,7 @@ async def recv_from_parent(conn: Connection) -> Any:
             await ready.wait()
     finally:
         loop.remove_reader(conn.fileno())
+        os.set_blocking(conn.fileno(), True)  # the loop may have made it non-blocking; Connection needs blocking
     try:
         return conn.recv()
     except EOFError:

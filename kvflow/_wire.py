@@ -53,6 +53,6 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
 def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     """``msg[name]`` if present and of ``kind``, else ProtocolError."""
     value = msg.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ProtocolError(f"control frame {msg.get('t')!r}: field {name!r} missing or malformed")
     return value

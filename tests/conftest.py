@@ -1,0 +1,138 @@
+"""Shared fixtures: a peer process (cluster 1) and a linked local LlmDataDist (cluster 2)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from kvflow import (
+    Cache,
+    CacheDesc,
+    CacheIndex,
+    ClusterInfo,
+    DataType,
+    IpInfo,
+    LlmDataDist,
+    LLMException,
+    LlmRole,
+    available_transports,
+)
+from kvflow._proc import PeerProcess
+
+from ._peer import PEER_CLUSTER, pattern, peer_main
+
+LOCAL_CLUSTER = 2
+
+
+def _api_transports() -> list[Any]:
+    """Transports the API suite runs over: every one that can run here (tcp always)."""
+    avail = available_transports()
+    out = []
+    for name in ("tcp", "shm", "ucx"):
+        if avail.get(name) == "ok":
+            out.append(name)
+        elif name in avail:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"{name}: {avail[name]}")))
+    return out
+
+
+class Peer:
+    """The peer process, driven by commands; raises the peer's typed errors here."""
+
+    def __init__(self, proc: PeerProcess, address: tuple[str, int], transport: str) -> None:
+        self.proc = proc
+        self.address = address
+        self.transport = transport
+
+    async def call(self, op: str, *args: Any, timeout: float = 30.0) -> Any:
+        self.proc.send((op, args))
+        kind, value = await self.proc.recv(timeout)
+        if kind == "err":
+            raise value
+        if kind == "crash":
+            raise AssertionError(f"peer crashed:\n{value}")
+        return value
+
+    async def register(self, desc: CacheDesc, seed: int | None = 1000) -> int:
+        return int(await self.call("register", desc.num_tensors, int(desc.data_type), list(desc.shape), seed))
+
+    async def read(self, cache_id: int) -> list[np.ndarray]:
+        return await self.call("read", cache_id)
+
+
+def start_peer(transport: str) -> Peer:
+    proc = PeerProcess(peer_main)
+    proc.send({"kvflow.Transports": transport, "llm.SyncKvCacheWaitTime": "5000"})
+    deadline = 30.0
+    if not proc.conn.poll(deadline):
+        proc.stop()
+        raise RuntimeError("peer process did not start")
+    address = proc.conn.recv()
+    return Peer(proc, tuple(address), transport)
+
+
+@pytest.fixture(scope="module", params=_api_transports())
+def peer(request: pytest.FixtureRequest) -> Iterator[Peer]:
+    p = start_peer(request.param)
+    yield p
+    p.proc.stop()
+
+
+@dataclass
+class Pair:
+    """A local LlmDataDist linked to the peer process."""
+
+    dd: LlmDataDist
+    peer: Peer
+
+    async def local_cache(self, desc: CacheDesc, seed: int | None = None) -> tuple[Cache, list[np.ndarray]]:
+        arrs = [pattern(seed + t, desc.tensor_bytes) if seed is not None else np.zeros(desc.tensor_bytes, np.uint8)
+                for t in range(desc.num_tensors)]
+        return await self.dd.register_kv_cache(desc, arrs), arrs
+
+    def index(self, cache_id: int, batch_index: int = 0) -> CacheIndex:
+        return CacheIndex(PEER_CLUSTER, cache_id, batch_index)
+
+
+async def make_local(peer: Peer, **options: str) -> LlmDataDist:
+    dd = LlmDataDist(LOCAL_CLUSTER, LlmRole.DECODER)
+    await dd.initialize({"kvflow.Transports": peer.transport, "llm.SyncKvCacheWaitTime": "5000", **options})
+    return dd
+
+
+@pytest_asyncio.fixture
+async def pair(peer: Peer) -> AsyncIterator[Pair]:
+    dd = await make_local(peer)
+    ret = await dd.link_llm_clusters([ClusterInfo(PEER_CLUSTER, [IpInfo(*peer.address)])], 5000)
+    assert ret == [0], ret
+    assert dd.link_info(PEER_CLUSTER).transport == peer.transport
+    try:
+        yield Pair(dd, peer)
+    finally:
+        await dd.finalize()
+        # let the peer drop the link before the next test links again with the same cluster id
+        for _ in range(200):
+            if LOCAL_CLUSTER not in await peer.call("links"):
+                break
+            await asyncio.sleep(0.01)
+
+
+DESC = CacheDesc(num_tensors=4, data_type=DataType.DT_INT32, shape=[8, 16])  # the seed's layout
+
+
+def blocks(arr: np.ndarray, desc: CacheDesc) -> np.ndarray:
+    """A tensor's bytes as [num_blocks, stride]."""
+    return arr.reshape(desc.num_blocks, desc.stride)
+
+
+def status_of(exc: BaseException) -> int:
+    assert isinstance(exc, LLMException), exc
+    return int(exc.status_code)
+
+
