@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._datadist import LinkInfo, LlmDataDist
+from ._layerwise import CacheTask, LayerEvents, LayerSynchronizer, TransferConfig
 from ._run import run
 from ._status import (
     RETRYABLE_CODES,
@@ -44,6 +45,7 @@ __all__ = (
     "Cache",
     "CacheDesc",
     "CacheIndex",
+    "CacheTask",
     "ClusterInfo",
     "DataType",
     "IpInfo",
@@ -65,10 +67,13 @@ __all__ = (
     "LLMTimeoutError",
     "LLMUnlinkFailed",
     "LLMWaitProcessTimeout",
+    "LayerEvents",
+    "LayerSynchronizer",
     "LinkInfo",
     "LlmDataDist",
     "LlmRole",
     "Placement",
+    "TransferConfig",
     "__version__",
     "available_transports",
     "run",

@@ -82,6 +82,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_layerwise(args: argparse.Namespace) -> int:
+    from ._bench_layerwise import cli
+
+    return cli(args, console)
+
+
 def _info(args: argparse.Namespace) -> int:
     from . import __version__
     from .transport import available_transports
@@ -128,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", help="also write the rows as JSON to this path")
     b.add_argument("--plot", help="also draw throughput against block size as a PNG")
     b.set_defaults(fn=_bench)
+    lw = sub.add_parser("bench-layerwise", help="layer-wise overlapped push vs compute-then-push, exposed time")
+    lw.add_argument("--transport", default="", help="comma list (default: shm and tcp where available)")
+    lw.add_argument("--layers", type=int, default=32)
+    lw.add_argument("--layer-mib", type=float, default=4.0, help="K+V bytes per layer, in MiB")
+    lw.add_argument("--compute-ms", default="", help="comma list of per-layer compute times in ms "
+                    "(default: 1x and 2x the measured one-layer transfer)")
+    lw.add_argument("--repeat", type=int, default=5)
+    lw.add_argument("--json", help="also write the rows as JSON to this path")
+    lw.set_defaults(fn=_bench_layerwise)
     i = sub.add_parser("info", help="version, event loop and every transport with ok or the reason")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)

@@ -15,8 +15,8 @@ import numpy as np
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
-from ._layerwise import CacheTask, LayerSynchronizer, TransferConfig, start_transfer
-from ._link import Link, StreamChannel, describe_local, open_socket
+from ._layerwise import CacheTask, LayerSynchronizer, TransferConfig, abort_tasks, start_transfer
+from ._link import Link, LinkState, StreamChannel, describe_local, open_socket
 from ._memory import LocalCache, Registry
 from ._metrics import Metrics, end_span, event, link_span
 from ._metrics import now as metrics_now
@@ -41,6 +41,9 @@ from .transport import RemoteCache, RunBatch, Transport, TransportContext, load_
 log = logging.getLogger("kvflow")
 
 MAX_CLUSTERS_PER_CALL = 16
+_FINALIZE_BYE_S = 0.5  # how long finalize waits for each peer to confirm it dropped the link
+MAX_HANDSHAKES = 512  # incoming connections in their handshake at once; more are refused
+_NONCE = 32
 _PULL, _PUSH = "pull", "push"
 
 
@@ -88,7 +91,7 @@ class LlmDataDist:
         self._initialized = False
         self._finalized = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._metrics = Metrics(self.cluster_id)
+        self._metrics = Metrics(self.cluster_id, self)
 
     def __repr__(self) -> str:
         state = "ready" if self._initialized else ("finalized" if self._finalized else "new")
@@ -136,6 +139,7 @@ class LlmDataDist:
             return
         self._initialized = False
         self._finalized = True
+        abort_tasks(self, "LlmDataDist finalized")
         if self._server is not None:
             assert self._loop is not None
             self._loop.remove_reader(self._server.fileno())
@@ -145,12 +149,9 @@ class LlmDataDist:
             task.cancel()
         for fut in self._data_waiters.values():
             fut.cancel()
-        links = list(self._links.values())
+        # tell each peer (bounded), so that it drops its side quietly rather than see a dead link
+        await asyncio.gather(*(self._unlink_one(cid, _FINALIZE_BYE_S, force=False) for cid in list(self._links)))
         self._links.clear()
-        for link in links:
-            link.close("finalized", notify=True)
-        for link in links:
-            await link.wait_closed()
         for local in list(self._registry):
             self._drop_cache(local)
         for t in self._transports.values():
@@ -222,28 +223,38 @@ class LlmDataDist:
         timeout = self._deadline(timeout_in_millis)
         assert self._loop is not None
         deadline = self._loop.time() + timeout
-        notes = [link.request({"op": "gone", "cache_id": cache_id}, timeout)
-                 for link in self._links.values() if link.healthy]
-        if notes:
-            results = await asyncio.gather(*notes, return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException) and not isinstance(r, LLMException):
-                    raise r
-        if local.inflight:
-            local.idle = asyncio.Event()
-            try:
-                async with timeout_after(max(0.0, deadline - self._loop.time())):
-                    await local.idle.wait()
-            except TIMEOUT_ERRORS:
-                owners = [o for o in local.pins if o is not None and hasattr(o, "close")]
-                log.warning("unregister of cache %d: %d transfer(s) still running after %.1f s; "
-                            "closing the data connections that hold them", cache_id, local.inflight, timeout)
-                for owner in owners:
-                    owner.close(LLMKvCacheNotExist(f"cache {cache_id} was unregistered during the transfer"))
-                if local.inflight:
-                    local.closing = False
-                    raise LLMWaitProcessTimeout(
-                        f"cache {cache_id} is still in use by {local.inflight} local transfer(s)") from None
+        try:
+            notes = [link.request({"op": "gone", "cache_id": cache_id}, timeout)
+                     for link in self._links.values() if link.healthy]
+            if notes:
+                results = await asyncio.gather(*notes, return_exceptions=True)
+                for r in results:
+                    if isinstance(r, BaseException) and not isinstance(r, LLMException):
+                        raise r
+            if local.inflight:
+                local.idle = asyncio.Event()
+                try:
+                    async with timeout_after(max(0.0, deadline - self._loop.time())):
+                        await local.idle.wait()
+                except TIMEOUT_ERRORS:
+                    # Peers' operations still use it: stop them (typed errors on both sides) rather
+                    # than free memory under a transfer. Our own transfers end at their own deadline.
+                    owners = [o for o in local.pins if o is not None]
+                    log.warning("unregister of cache %d: %d transfer(s) still running after %.1f s; "
+                                "failing them", cache_id, local.inflight, timeout)
+                    gone = LLMKvCacheNotExist(f"cache {cache_id} was unregistered during the transfer")
+                    for owner in owners:
+                        if hasattr(owner, "revoke"):
+                            owner.revoke(local, gone)
+                        elif hasattr(owner, "close"):
+                            owner.close(gone)
+                    if local.inflight:
+                        raise LLMWaitProcessTimeout(
+                            f"cache {cache_id} is still in use by {local.inflight} local transfer(s)") from None
+        except BaseException:
+            local.closing = False  # not unregistered: the cache stays usable
+            local.idle = None
+            raise
         self._drop_cache(local)
 
     def _drop_cache(self, local: LocalCache) -> None:
@@ -334,16 +345,23 @@ class LlmDataDist:
     async def _dial(self, cid: int, address: tuple[str, int], local_ip: str | None, timeout: float) -> Link:
         sock = await open_socket(address, local_ip)
         reader, writer = await asyncio.open_connection(sock=sock)
+        endpoint = None
         try:
             candidates = [[n, t.describe()] for n, t in self._transports.items()]
+            cnonce = os.urandom(_NONCE) if self._opts.auth_key is not None else None
             writer.write(wire.MAGIC_CONTROL + wire.pack({
                 "t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": self.cluster_id, "expect": cid,
                 "instance": self._instance, "transports": candidates,
-                "auth": self._opts.auth_key is not None,
+                "auth": cnonce is not None, **({"cnonce": cnonce} if cnonce is not None else {}),
             }))
             msg = await wire.read_frame(reader)
+            snonce = None
             if msg["t"] == "challenge":
-                writer.write(wire.pack({"t": "auth", "mac": self._mac(wire.field(msg, "nonce", bytes))}))
+                if cnonce is None:
+                    raise LLMLinkFailed(f"cluster {cid} requires authentication: set the same kvflow.AuthKey "
+                                        "on both sides")
+                snonce = wire.field(msg, "nonce", bytes)
+                writer.write(wire.pack({"t": "auth", "mac": self._mac(b"C", snonce, cnonce)}))
                 msg = await wire.read_frame(reader)
             if msg["t"] == "reject":
                 code = LLMStatusCode.of(wire.field(msg, "code", int))
@@ -353,6 +371,11 @@ class LlmDataDist:
             if msg.get("v") != wire.PROTOCOL_VERSION:
                 raise LLMLinkFailed(f"protocol version mismatch: peer speaks {msg.get('v')!r}, "
                                     f"we speak {wire.PROTOCOL_VERSION}")
+            if cnonce is not None:  # the peer must prove that it holds the secret too
+                mac = msg.get("mac")
+                if snonce is None or not isinstance(mac, bytes) or not hmac.compare_digest(
+                        mac, self._mac(b"S", cnonce, snonce)):
+                    raise LLMLinkFailed(f"cluster {cid} did not authenticate (it has no or another kvflow.AuthKey)")
             if wire.field(msg, "cluster", int) != cid:
                 raise LLMLinkFailed(f"peer at {address[0]}:{address[1]} is cluster {msg['cluster']}, not {cid}")
             fallbacks = {str(k): str(v) for k, v in wire.field(msg, "skipped", dict).items()}
@@ -383,6 +406,7 @@ class LlmDataDist:
             ready = await wire.read_frame(reader)
             if ready["t"] != "ready":
                 await _close_endpoint(endpoint)
+                endpoint = None
                 raise _rejected(LLMStatusCode.of(ready.get("code", LLMStatusCode.LLM_LINK_FAILED)),
                                 str(ready.get("msg", "peer failed to connect")))
             link = Link(remote_cluster_id=cid, peer_instance=str(wire.field(msg, "instance", str)),
@@ -394,8 +418,13 @@ class LlmDataDist:
             if channel.early_failure is not None:
                 link.mark_broken(channel.early_failure)
             return link
-        except BaseException:
+        except BaseException as exc:
             writer.close()
+            if endpoint is not None:  # cut short (deadline, cancel) after the data path was opened
+                endpoint.abort(LLMLinkFailed(f"link to cluster {cid} was not completed: {exc!r}"))
+                task = asyncio.ensure_future(_close_endpoint(endpoint))
+                self._accepting.add(task)
+                task.add_done_callback(self._accepting.discard)
             raise
 
     def _install(self, link: Link) -> None:
@@ -406,18 +435,23 @@ class LlmDataDist:
             self._accepting.add(task)
             task.add_done_callback(self._accepting.discard)
         self._links[link.remote_cluster_id] = link
-        link.on_peer_bye = self._peer_left
         link.on_closed = self._metrics.link_down
         self._metrics.link_up(link)
 
-    def _peer_left(self, link: Link) -> None:
-        if self._links.get(link.remote_cluster_id) is link:
-            del self._links[link.remote_cluster_id]
-        log.info("cluster %d finalized; link removed", link.remote_cluster_id)
+    def _mac(self, role: bytes, first: bytes, second: bytes) -> bytes:
+        """HMAC-SHA256 under the shared secret: role b"C" (client proof) or b"S" (server proof)."""
+        assert self._opts.auth_key is not None
+        return hmac.new(self._opts.auth_key, b"kvflow-auth-" + role + first + second, "sha256").digest()
 
-    def _mac(self, nonce: bytes) -> bytes:
-        key = self._opts.auth_key or b""
-        return hmac.new(key, nonce, "sha256").digest()
+    def _purge_broken(self) -> None:
+        """Forget broken links (to make room under kvflow.MaxLinks)."""
+        for cid, link in list(self._links.items()):
+            if link.state is LinkState.BROKEN:
+                del self._links[cid]
+                link.close("purged")
+                task = asyncio.ensure_future(link.wait_closed())
+                self._accepting.add(task)
+                task.add_done_callback(self._accepting.discard)
 
     async def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000,
                                   force: bool = False) -> list[LLMStatusCode]:
@@ -496,6 +530,10 @@ class LlmDataDist:
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
                 return
+            if len(self._accepting) >= MAX_HANDSHAKES:  # a flood of connections: refuse, do not queue
+                log.warning("refusing a connection: %d handshakes in progress", len(self._accepting))
+                sock.close()
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.ensure_future(self._serve(sock))
@@ -521,6 +559,8 @@ class LlmDataDist:
             await self._serve_control(sock)
         except (*TIMEOUT_ERRORS, OSError, asyncio.IncompleteReadError, LLMException) as exc:
             log.info("incoming connection dropped: %s", exc)
+        except Exception:  # whatever a peer sends must not take the listener down
+            log.exception("incoming connection dropped")
         finally:
             if not handed_off:
                 sock.close()
@@ -538,14 +578,18 @@ class LlmDataDist:
                     return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
                                    f"protocol version mismatch: we speak {wire.PROTOCOL_VERSION}, "
                                    f"you speak {hello.get('v')!r}")
+                proof: dict[str, bytes] = {}
                 if self._opts.auth_key is not None:
-                    nonce = os.urandom(32)
+                    nonce = os.urandom(_NONCE)
+                    cnonce = hello.get("cnonce")
                     writer.write(wire.pack({"t": "challenge", "nonce": nonce}))
                     answer = await wire.read_frame(reader)
                     mac = answer.get("mac") if answer["t"] == "auth" else None
-                    if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._mac(nonce)):
+                    if not (isinstance(cnonce, bytes) and len(cnonce) == _NONCE and isinstance(mac, bytes)
+                            and hmac.compare_digest(mac, self._mac(b"C", nonce, cnonce))):
                         log.warning("rejected a link attempt that failed authentication")
                         return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
+                    proof = {"mac": self._mac(b"S", cnonce, nonce)}  # we know the secret too
                 peer = _check_int("cluster", wire.field(hello, "cluster", int))
                 if wire.field(hello, "expect", int) != self.cluster_id:
                     return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
@@ -553,13 +597,16 @@ class LlmDataDist:
                 if peer == self.cluster_id:
                     return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "peer has our cluster id")
                 instance = str(wire.field(hello, "instance", str))[:64]
+                # A link from this cluster that we still hold is replaced: the peer dials only when it
+                # has no usable link (it restarted, or its side of the link broke before ours).
                 old = self._links.get(peer)
-                if old is not None and old.healthy and old.peer_instance == instance:
-                    return _reject(writer, LLMStatusCode.LLM_ALREADY_LINK, f"already linked with {peer}")
                 if peer in self._linking:
                     return _reject(writer, LLMStatusCode.LLM_PROCESSING_LINK, "a link is being made")
                 if len(self._links) >= self._opts.max_links and old is None:
-                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "too many links")
+                    self._purge_broken()
+                    if len(self._links) >= self._opts.max_links:
+                        return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
+                                       f"too many links (kvflow.MaxLinks={self._opts.max_links})")
                 accepted, skipped = [], {}
                 offered = wire.field(hello, "transports", list)[:16]
                 for entry in offered:
@@ -570,21 +617,25 @@ class LlmDataDist:
                     t = self._transports.get(name)
                     if t is None:
                         continue
-                    reason = t.check_peer(info)
+                    try:
+                        reason = t.check_peer(info)
+                    except Exception as exc:  # a malformed description from the peer
+                        reason = f"unusable peer description ({type(exc).__name__})"
                     if reason is None:
                         accepted.append([name, t.describe()])
                     else:
-                        skipped[name] = reason
+                        skipped[name] = str(reason)
                 self._linking.add(peer)
                 try:
                     waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
                     self._data_waiters[token] = waiter
                     writer.write(wire.pack({"t": "welcome", "v": wire.PROTOCOL_VERSION, "cluster": self.cluster_id,
                                             "instance": self._instance, "accepted": accepted,
-                                            "skipped": skipped, "token": token}))
+                                            "skipped": skipped, "token": token, **proof}))
                     choice = await wire.read_frame(reader)
                     name = choice.get("transport") if choice["t"] == "choose" else None
                     if name is None:
+                        writer.close()
                         return None
                     if not isinstance(name, str) or name not in [a[0] for a in accepted]:
                         raise wire.ProtocolError(f"peer chose a transport we did not offer: {name!r}")
@@ -596,6 +647,12 @@ class LlmDataDist:
                         endpoint = await self._transports[name].connect(peer_info, channel)
                     except LLMException as exc:
                         return _reject(writer, exc.status_code, str(exc.args[0]), t="ready_fail")
+                    except (*TIMEOUT_ERRORS, asyncio.CancelledError):
+                        raise
+                    except Exception as exc:  # a transport choking on the peer's description
+                        log.warning("link from cluster %d: %s connect failed: %r", peer, name, exc)
+                        return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, f"{name} connect failed",
+                                       t="ready_fail")
                 finally:
                     self._linking.discard(peer)
                     self._data_waiters.pop(token, None)
@@ -798,7 +855,20 @@ class LlmDataDist:
 
     async def _layerwise_write(self, link: Link, ci: CacheIndex, local: LocalCache, remote: RemoteCache,
                                batch: RunBatch, timeout: float) -> None:
-        """Write some planned runs of a ``transfer_cache_async`` config (the push half of ``_transfer``)."""
+        """Write some planned runs of a ``transfer_cache_async`` config (the push half of ``_transfer``),
+        counted in ``stats()`` as a push."""
+        metrics = self._metrics
+        span = metrics.start_span(_PUSH, ci.cluster_id, ci.cache_id)
+        t0 = metrics_now()
+        try:
+            await self._layerwise_write_once(link, ci, local, remote, batch, timeout)
+        except BaseException as exc:
+            metrics.failed(_PUSH, ci.cluster_id, link, exc, metrics_now() - t0, span)
+            raise
+        metrics.done(_PUSH, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+
+    async def _layerwise_write_once(self, link: Link, ci: CacheIndex, local: LocalCache, remote: RemoteCache,
+                                    batch: RunBatch, timeout: float) -> None:
         if local.closing or self._registry._caches.get(local.cache_id) is not local:
             raise LLMKvCacheNotExist(f"cache {local.cache_id} was unregistered during the transfer")
         if link.remotes.get(ci.cache_id) is not remote:
@@ -888,7 +958,9 @@ def wire_address(ip: str, port: int) -> tuple[str, int]:
 def _rejected(code: LLMStatusCode, message: str) -> LLMException:
     from ._status import error_for
 
-    return error_for(int(code), message or code.name)
+    if code == LLMStatusCode.LLM_SUCCESS:  # a refusal that claims success is still a refusal
+        code = LLMStatusCode.LLM_LINK_FAILED
+    return error_for(int(code), str(message)[:500] or code.name)
 
 
 def _reject(writer: asyncio.StreamWriter, code: LLMStatusCode, message: str, t: str = "reject") -> None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvflow.link")
 
+MAX_SERVING = 64  # a peer's control requests answered at once; more are refused with LLM_LINK_BUSY
+MAX_WRITE_BUFFER = 32 << 20  # control bytes queued for a peer that does not read them: then the link breaks
+
 
 class LinkState(enum.Enum):
     CONNECTING = "connecting"
@@ -116,8 +119,8 @@ class Link:
         self._next_id = 1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lookups: dict[int, asyncio.Future[RemoteCache]] = {}
+        self._serving = 0
         self.on_closed: Callable[[Link], None] | None = None
-        self.on_peer_bye: Callable[[Link], None] | None = None
         self.closing = False  # set while unlinking: the peer's hang-up is expected
 
     def __repr__(self) -> str:
@@ -152,6 +155,10 @@ class Link:
     def send(self, msg: dict[str, Any]) -> None:
         if self.state in (LinkState.LINKED, LinkState.CONNECTING) and not self._writer.is_closing():
             self._writer.write(wire.pack(msg))
+            if self._writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+                self.mark_broken(LLMLinkFailed(
+                    f"cluster {self.remote_cluster_id} does not read its control connection "
+                    f"({MAX_WRITE_BUFFER >> 20} MiB queued)"))
 
     async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a request and wait for the peer's answer; typed errors for its non-zero codes."""
@@ -192,13 +199,13 @@ class Link:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif t == "req":
-                    self._spawn(self._answer(msg))
-                elif t == "bye":  # the peer is finalizing: its hang-up is expected
-                    self.closing = True
-                    if self.on_peer_bye is not None:
-                        self.on_peer_bye(self)
-                    self.close("peer finalized")
-                    return
+                    req_id = wire.field(msg, "id", int)
+                    if self._serving >= MAX_SERVING:
+                        self.send({"t": "rsp", "id": req_id, "code": int(LLMStatusCode.LLM_LINK_BUSY),
+                                   "msg": f"more than {MAX_SERVING} requests at once"})
+                    else:
+                        self._serving += 1
+                        self._spawn(self._answer(req_id, msg))
                 else:
                     raise wire.ProtocolError(f"unexpected control frame {t!r}")
         except asyncio.CancelledError:
@@ -209,8 +216,7 @@ class Link:
             log.warning("link to cluster %d: %s", self.remote_cluster_id, exc)
             self.mark_broken(exc)
 
-    async def _answer(self, msg: dict[str, Any]) -> None:
-        req_id = wire.field(msg, "id", int)
+    async def _answer(self, req_id: int, msg: dict[str, Any]) -> None:
         try:
             body = await self._handler(self, msg)
             rsp: dict[str, Any] = {"t": "rsp", "id": req_id, "code": 0, **body}
@@ -219,41 +225,56 @@ class Link:
         except Exception as exc:  # never let a peer's request crash us
             log.exception("error answering %r from cluster %d", msg.get("op"), self.remote_cluster_id)
             rsp = {"t": "rsp", "id": req_id, "code": int(LLMStatusCode.LLM_FAILED), "msg": type(exc).__name__}
+        finally:
+            self._serving -= 1
         self.send(rsp)
 
     async def _heartbeat_loop(self) -> None:
+        """Ping every interval; break the link once the peer has been silent for the timeout.
+
+        It wakes at the next ping or at the moment the timeout would pass, whichever is first,
+        so a silent peer is detected within the timeout plus scheduling delay."""
+        next_ping = self._loop.time() + self._hb_interval
         while self.state is LinkState.LINKED:
-            await asyncio.sleep(self._hb_interval)
-            silent = self._loop.time() - self._last_rx
-            if silent > self._hb_timeout:
+            now = self._loop.time()
+            expiry = self._last_rx + self._hb_timeout
+            if now >= expiry:
                 self.mark_broken(LLMTimeoutError(
-                    f"no heartbeat from cluster {self.remote_cluster_id} for {silent:.1f} s"))
+                    f"no heartbeat from cluster {self.remote_cluster_id} for {now - self._last_rx:.1f} s"))
                 return
-            self.send({"t": "ping"})
+            if now >= next_ping:
+                self.send({"t": "ping"})
+                next_ping = now + self._hb_interval
+            await asyncio.sleep(max(0.0, min(next_ping, expiry) - now) + 0.001)
 
     # ------------------------------------------------------------------ remote caches
     async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
-        """The peer's cache ``cache_id`` (looked up once, then kept until the peer drops it)."""
+        """The peer's cache ``cache_id`` (looked up once, then kept until the peer drops it).
+
+        Concurrent callers share one lookup, which runs as its own task (bounded by ``timeout``):
+        cancelling one caller neither cancels the lookup nor hands the others a CancelledError."""
         remote = self.remotes.get(cache_id)
         if remote is not None:
             return remote
-        fut = self._lookups.get(cache_id)
-        if fut is None:
-            fut = self._loop.create_future()
-            self._lookups[cache_id] = fut
-            try:
-                rsp = await self.request({"op": "cache", "cache_id": cache_id}, timeout)
-                remote = self._parse_cache(cache_id, rsp)
-                self.remotes[cache_id] = remote
-                fut.set_result(remote)
-            except BaseException as exc:
-                fut.set_exception(exc)
-                fut.exception()  # mark retrieved
-                raise
-            finally:
-                self._lookups.pop(cache_id, None)
-            return remote
-        return await asyncio.shield(fut)
+        task = self._lookups.get(cache_id)
+        if task is None:
+            task = asyncio.ensure_future(self._lookup(cache_id, timeout))
+            self._lookups[cache_id] = task
+            task.add_done_callback(lambda t: self._lookup_done(cache_id, t))
+        return await asyncio.shield(task)
+
+    def _lookup_done(self, cache_id: int, task: asyncio.Future[RemoteCache]) -> None:
+        if self._lookups.get(cache_id) is task:
+            del self._lookups[cache_id]
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller that still waits got it
+
+    async def _lookup(self, cache_id: int, timeout: float) -> RemoteCache:
+        rsp = await self.request({"op": "cache", "cache_id": cache_id}, timeout)
+        remote = self._parse_cache(cache_id, rsp)
+        if self.state is LinkState.LINKED:
+            self.remotes[cache_id] = remote
+        return remote
 
     def _parse_cache(self, cache_id: int, rsp: dict[str, Any]) -> RemoteCache:
         c = wire.field(rsp, "cache", dict)
@@ -300,14 +321,10 @@ class Link:
         self.error = exc
         self._shutdown(exc)
 
-    def close(self, reason: str = "link closed", notify: bool = False) -> None:
-        """Close the link locally (unlink / finalize); in-flight operations fail with LLMLinkFailed.
-
-        With ``notify`` the peer is told first, so that it drops the link quietly."""
+    def close(self, reason: str = "link closed") -> None:
+        """Close the link locally (unlink / finalize); in-flight operations fail with LLMLinkFailed."""
         if self.state is LinkState.CLOSED:
             return
-        if notify and self.state is LinkState.LINKED:
-            self.send({"t": "bye"})
         was_broken = self.state is LinkState.BROKEN
         self.state = LinkState.CLOSED
         if not was_broken:

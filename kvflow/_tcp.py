@@ -33,8 +33,15 @@ MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 RECV_BUDGET = 4 << 20  # bytes per readable callback before yielding to the loop
 SEND_BUDGET = 4 << 20
+# Requests one side may have outstanding on a channel (sent, response not wholly received).
+# The sender queues further frames locally (backpressure); a peer that exceeds the bound
+# breaks the protocol and loses the link. This bounds the memory a peer can make us hold.
+MAX_OUTSTANDING_FRAMES = 256
+MAX_OUTSTANDING_RUNS = 1 << 16
+_SCRATCH = memoryview(bytearray(1 << 20))  # where discarded payload goes (shared: nobody reads it)
 _HDR_SIZE = HDR.size
 _ST_HDR, _ST_RUNS, _ST_PAYLOAD, _ST_DISCARD = range(4)
+_OP_BACKLOG, _OP_OUT, _OP_DONE = range(3)
 
 
 def _run_table(addrs: np.ndarray, lens: np.ndarray) -> memoryview | bytes:
@@ -46,6 +53,36 @@ def _run_table(addrs: np.ndarray, lens: np.ndarray) -> memoryview | bytes:
     table["addr"] = addrs
     table["len"] = lens
     return table.view(np.uint8).data
+
+
+def _frames(batch: RunBatch) -> list[RunBatch]:
+    """``batch`` cut into frames of at most MAX_RUNS runs and MAX_FRAME_BYTES bytes (longer runs are cut)."""
+    n = len(batch)
+    lengths = batch.lengths
+    total = int(lengths.sum())
+    if n <= MAX_RUNS and total <= MAX_FRAME_BYTES:
+        return [batch]
+    la, ra, lt, rt = batch.local_addrs, batch.remote_addrs, batch.local_tensor, batch.remote_tensor
+    if int(lengths.max()) > MAX_FRAME_BYTES:
+        lengths = lengths.astype(np.uint64)
+        pieces = (lengths + np.uint64(MAX_FRAME_BYTES - 1)) // np.uint64(MAX_FRAME_BYTES)
+        src = np.repeat(np.arange(n), pieces.astype(np.int64))
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces.astype(np.int64))
+        off = (np.arange(src.size, dtype=np.uint64) - first.astype(np.uint64)) * np.uint64(MAX_FRAME_BYTES)
+        lengths = np.minimum(lengths[src] - off, np.uint64(MAX_FRAME_BYTES))
+        la, ra, lt, rt = la[src] + off, ra[src] + off, lt[src], rt[src]
+        n = int(src.size)
+    cum = np.cumsum(lengths, dtype=np.uint64)
+    out: list[RunBatch] = []
+    start, base = 0, 0
+    while start < n:
+        end = min(n, start + MAX_RUNS, int(np.searchsorted(cum, base + MAX_FRAME_BYTES, side="right")))
+        end = max(end, start + 1)
+        out.append(RunBatch(la[start:end], ra[start:end], lengths[start:end], lt[start:end], rt[start:end],
+                            batch.local_cache, batch.remote_cache))
+        base = int(cum[end - 1])
+        start = end
+    return out
 
 
 class _Transfer:
@@ -68,33 +105,40 @@ class _Transfer:
 
 
 class _Out:
-    """One frame waiting to be sent."""
+    """One frame waiting to be sent.
 
-    __slots__ = ("bufs", "idx", "on_sent", "on_drop", "op")
+    ``pinned`` is the local cache whose memory the frame's payload reads (unpinned once the
+    frame is wholly handed to the kernel or dropped); ``on_done`` runs once, sent or dropped;
+    ``rsp_req`` is the peer's request id for a response to the peer's read."""
 
-    def __init__(self, bufs: list[Any], on_sent: Callable[[], None] | None = None,
-                 on_drop: Callable[[], None] | None = None, op: _Op | None = None) -> None:
+    __slots__ = ("bufs", "idx", "on_done", "op", "pinned", "rsp_req")
+
+    def __init__(self, bufs: list[Any], on_done: Callable[[], None] | None = None, op: _Op | None = None,
+                 pinned: LocalCache | None = None, rsp_req: int | None = None) -> None:
         self.bufs = bufs
         self.idx = -1  # -1: not started
-        self.on_sent = on_sent
-        self.on_drop = on_drop
+        self.on_done = on_done
         self.op = op
+        self.pinned = pinned
+        self.rsp_req = rsp_req
 
 
 class _Op:
     """A request of ours waiting for its response."""
 
-    __slots__ = ("kind", "req_id", "dests", "nbytes", "xfer", "abandoned", "out")
+    __slots__ = ("abandoned", "dests", "kind", "nbytes", "out", "req_id", "runs", "state", "xfer")
 
-    def __init__(self, kind: int, req_id: int, dests: list[memoryview] | None, nbytes: int,
+    def __init__(self, kind: int, req_id: int, dests: list[memoryview] | None, nbytes: int, runs: int,
                  xfer: _Transfer) -> None:
         self.kind = kind
         self.req_id = req_id
         self.dests = dests
         self.nbytes = nbytes
+        self.runs = runs
         self.xfer = xfer
         self.abandoned = False
         self.out: _Out | None = None
+        self.state = _OP_BACKLOG  # -> _OP_OUT (admitted, counted) -> _OP_DONE (retired or dropped)
 
 
 class TcpChannel:
@@ -109,7 +153,13 @@ class TcpChannel:
         self._on_broken = on_broken
         self._sendq: deque[_Out] = deque()
         self._writer_on = False
-        self._pending: dict[int, _Op] = {}
+        self._pending: dict[int, _Op] = {}  # admitted requests of ours awaiting their response header
+        self._backlog: deque[_Op] = deque()  # requests of ours waiting for room (bounded outstanding)
+        self._backlog_dead = 0  # abandoned ops still in _backlog
+        self._out_frames = 0  # our admitted requests whose response is not wholly received
+        self._out_runs = 0
+        self._serving_frames = 0  # the peer's requests whose response is not wholly sent
+        self._serving_runs = 0
         self._next_id = 1
         self._closed: BaseException | None = None
         # receive state
@@ -126,7 +176,8 @@ class TcpChannel:
         self._on_payload: Callable[[], None] | None = None
         self._payload_op: _Op | None = None
         self._payload_pin: LocalCache | None = None
-        self._scratch = memoryview(bytearray(1 << 20))
+        self._payload_req = 0  # the peer's request id while its write payload lands in _payload_pin
+        self._payload_served: Callable[[], None] | None = None
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._loop.add_reader(self._fd, self._on_readable)
@@ -137,7 +188,7 @@ class TcpChannel:
         if self._closed is not None:
             raise LLMLinkFailed(f"data connection is closed: {self._closed}")
         cache_id = batch.remote_cache.cache_id
-        parts = batch.split(MAX_RUNS)
+        parts = _frames(batch)
         xfer = _Transfer(self._loop.create_future(), len(parts))
         ops: list[_Op] = []
         local = batch.local_cache
@@ -148,30 +199,98 @@ class TcpChannel:
             req_id = self._next_id
             self._next_id += 1
             if kind == READ_REQ:
-                op = _Op(READ_REQ, req_id, views, nbytes, xfer)
-                bufs: list[Any] = [HDR.pack(READ_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table]
+                op = _Op(READ_REQ, req_id, views, nbytes, len(part), xfer)
+                out = _Out([HDR.pack(READ_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table], op=op)
             else:
-                op = _Op(WRITE_REQ, req_id, None, nbytes, xfer)
-                bufs = [HDR.pack(WRITE_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table, *views]
-            out = _Out(bufs, op=op)
+                op = _Op(WRITE_REQ, req_id, None, nbytes, len(part), xfer)
+                # the frame reads local memory until it is wholly sent, even if the caller gives up
+                # meanwhile: the cache stays pinned (unregister waits for it) until then
+                out = _Out([HDR.pack(WRITE_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table, *views],
+                           op=op, pinned=local)
+                local.pin(self)
             op.out = out
-            self._pending[req_id] = op
             ops.append(op)
-            self._sendq.append(out)
-        self._flush()
+            self._backlog.append(op)
+        self._admit()
         return xfer, ops
+
+    def _admit(self) -> None:
+        """Move requests from the backlog to the send queue while the outstanding bounds allow."""
+        moved = False
+        self._compact()
+        q = self._backlog
+        while q:
+            op = q[0]
+            if op.state == _OP_DONE:  # abandoned while waiting
+                q.popleft()
+                self._backlog_dead -= 1
+                continue
+            if self._out_frames and (self._out_frames >= MAX_OUTSTANDING_FRAMES
+                                     or self._out_runs + op.runs > MAX_OUTSTANDING_RUNS):
+                break
+            q.popleft()
+            op.state = _OP_OUT
+            self._out_frames += 1
+            self._out_runs += op.runs
+            self._pending[op.req_id] = op
+            assert op.out is not None
+            self._sendq.append(op.out)
+            moved = True
+        if moved:
+            self._flush()
+
+    def _compact(self) -> None:
+        """Drop given-up requests from the backlog once they are many (keeps it O(live requests))."""
+        dead = self._backlog_dead
+        if dead and (dead == len(self._backlog) or (dead > 16 and 2 * dead > len(self._backlog))):
+            self._backlog = deque(op for op in self._backlog if op.state != _OP_DONE)
+            self._backlog_dead = 0
+
+    def _retire(self, op: _Op) -> None:
+        """Our request ``op`` is finished with (its response wholly received, or never sent)."""
+        if op.state == _OP_OUT:
+            self._out_frames -= 1
+            self._out_runs -= op.runs
+            if self._closed is None:
+                self._admit()
+        op.state = _OP_DONE
 
     def abandon(self, ops: list[_Op]) -> None:
         """The caller gave up: unsent frames are dropped, late payload is discarded."""
         for op in ops:
             op.abandoned = True
             out = op.out
-            if out is not None and out.idx == -1 and out in self._sendq:
-                self._sendq.remove(out)
-                self._pending.pop(op.req_id, None)
+            if out is None or op.state == _OP_DONE:
+                continue
+            if op.state == _OP_BACKLOG:
+                op.state = _OP_DONE  # _admit skips it
+                self._dropped(out)
+                self._backlog_dead += 1
+            elif out.idx == -1 and self._pending.get(op.req_id) is op:
+                try:
+                    self._sendq.remove(out)
+                except ValueError:
+                    continue
+                del self._pending[op.req_id]
+                self._dropped(out)
+                self._retire(op)
+        self._compact()
 
     # ---------------------------------------------------------------- sending
+    def _dropped(self, out: _Out) -> None:
+        """``out`` will never be sent (or was sent): release what it holds, once."""
+        if out.pinned is not None:
+            out.pinned.unpin(self)
+            out.pinned = None
+        done = out.on_done
+        if done is not None:
+            out.on_done = None
+            done()
+
     def _send(self, out: _Out) -> None:
+        if self._closed is not None:
+            self._dropped(out)
+            return
         self._sendq.append(out)
         self._flush()
 
@@ -211,8 +330,7 @@ class TcpChannel:
             if i == len(bufs):
                 q.popleft()
                 out.bufs = []
-                if out.on_sent is not None:
-                    out.on_sent()
+                self._dropped(out)
             if full:
                 break
         if q and not self._writer_on and self._closed is None:
@@ -276,7 +394,7 @@ class TcpChannel:
                         self._payload_done()
                         return
                 else:  # discard
-                    n = sock.recv_into(self._scratch, min(self._left, len(self._scratch)))
+                    n = sock.recv_into(_SCRATCH, min(self._left, len(_SCRATCH)))
                     if n == 0:
                         raise ConnectionResetError("peer closed the data connection")
                     budget -= n
@@ -291,11 +409,12 @@ class TcpChannel:
             self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
 
     def _expect_payload(self, dests: list[memoryview] | None, nbytes: int, done: Callable[[], None],
-                        op: _Op | None = None, pin: LocalCache | None = None) -> None:
+                        op: _Op | None = None, pin: LocalCache | None = None, req_id: int = 0) -> None:
         self._left = nbytes
         self._on_payload = done
         self._payload_op = op
         self._payload_pin = pin
+        self._payload_req = req_id
         if nbytes == 0:
             self._state = _ST_HDR
             done()
@@ -312,6 +431,8 @@ class TcpChannel:
         self._on_payload = None
         self._payload_op = None
         self._payload_pin = None
+        self._payload_req = 0
+        self._payload_served = None
         self._dests = []
         if done is not None:
             done()
@@ -325,6 +446,12 @@ class TcpChannel:
         if kind in (READ_REQ, WRITE_REQ):
             if not 0 < count <= MAX_RUNS or total > MAX_FRAME_BYTES:
                 self._protocol_error(f"request with {count} runs / {total} bytes")
+            if self._serving_frames and (self._serving_frames >= MAX_OUTSTANDING_FRAMES
+                                         or self._serving_runs + count > MAX_OUTSTANDING_RUNS):
+                self._protocol_error(f"more than {MAX_OUTSTANDING_FRAMES} requests / {MAX_OUTSTANDING_RUNS} runs "
+                                     "outstanding")
+            self._serving_frames += 1
+            self._serving_runs += count
             self._runs = bytearray(count * RUN.itemsize)
             self._runs_mv = memoryview(self._runs)
             self._got = 0
@@ -338,20 +465,29 @@ class TcpChannel:
                 if total:
                     self._protocol_error("failed read carries payload")
                 op.xfer.fail(error_for(arg, f"peer refused read: {LLMStatusCode.of(arg).name}"))
+                self._retire(op)
                 return
             if total != op.nbytes:
                 self._protocol_error(f"read {req_id}: {total} bytes, expected {op.nbytes}")
             dests = None if op.abandoned else op.dests
-            self._expect_payload(dests, total, op.xfer.frame_done, op)
+
+            def read_done(op: _Op = op) -> None:
+                op.xfer.frame_done()
+                self._retire(op)
+
+            self._expect_payload(dests, total, read_done, op)
         elif kind == WRITE_RSP:
             op = self._pending.pop(req_id, None)
             if op is None or op.kind != WRITE_REQ:
                 self._protocol_error(f"response to unknown write {req_id}")
             assert op is not None
+            if total:
+                self._protocol_error("write response carries payload")
             if arg != 0:
                 op.xfer.fail(error_for(arg, f"peer refused write: {LLMStatusCode.of(arg).name}"))
             else:
                 op.xfer.frame_done()
+            self._retire(op)
         else:
             self._protocol_error(f"unknown frame kind {kind}")
 
@@ -363,35 +499,48 @@ class TcpChannel:
             raise LLMParamInvalid("run lengths do not add up to the payload size")
         return local, local.views(addrs, lens)
 
+    def _served(self, runs: int) -> Callable[[], None]:
+        """What runs once the response to a peer's request of ``runs`` runs is wholly sent."""
+
+        def served() -> None:
+            self._serving_frames -= 1
+            self._serving_runs -= runs
+
+        return served
+
+    def _write_rsp(self, req_id: int, status: int, served: Callable[[], None]) -> Callable[[], None]:
+        return lambda: self._send(_Out([HDR.pack(WRITE_RSP, 0, 0, 0, req_id, status, 0)], on_done=served))
+
     def _on_runs(self) -> None:
         kind, count, req_id, cache_id, total = self._cur
         table = np.frombuffer(self._runs, dtype=RUN, count=count)
+        self._runs = bytearray()
+        self._runs_mv = memoryview(self._runs)
         self._state = _ST_HDR
+        served = self._served(count)
         try:
             local, views = self._check(cache_id, table, total)
         except LLMException as exc:
             status = int(exc.status_code)
             log.debug("refusing peer request %d on cache %d: %s", req_id, cache_id, exc)
             if kind == READ_REQ:
-                self._send(_Out([HDR.pack(READ_RSP, 0, 0, 0, req_id, status, 0)]))
+                self._send(_Out([HDR.pack(READ_RSP, 0, 0, 0, req_id, status, 0)], on_done=served))
             else:
-                self._expect_payload(None, total, lambda: self._send(
-                    _Out([HDR.pack(WRITE_RSP, 0, 0, 0, req_id, status, 0)])))
+                self._expect_payload(None, total, self._write_rsp(req_id, status, served))
             return
         local.pin(self)
-
-        def unpin() -> None:
-            local.unpin(self)
-
         if kind == READ_REQ:
-            self._send(_Out([HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, total), *views],
-                            on_sent=unpin, on_drop=unpin))
+            self._send(_Out([HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, total), *views], on_done=served,
+                            pinned=local, rsp_req=req_id))
         else:
-            def done() -> None:
-                unpin()
-                self._send(_Out([HDR.pack(WRITE_RSP, 0, 0, 0, req_id, 0, 0)]))
+            rsp = self._write_rsp(req_id, 0, served)
 
-            self._expect_payload(views, total, done, pin=local)
+            def done() -> None:
+                local.unpin(self)
+                rsp()
+
+            self._expect_payload(views, total, done, pin=local, req_id=req_id)
+            self._payload_served = served
 
     # ---------------------------------------------------------------- teardown
     def _fail(self, exc: BaseException) -> None:
@@ -409,15 +558,26 @@ class TcpChannel:
         except Exception:  # loop already closed
             pass
         self._writer_on = False
+        self._state = _ST_HDR
+        self._on_payload = None
+        self._dests = []
         if self._payload_pin is not None:  # a peer's write into our memory was cut short
             self._payload_pin.unpin(self)
             self._payload_pin = None
-        for out in self._sendq:
-            if out.on_drop is not None:
-                out.on_drop()
-        self._sendq.clear()
+        if self._payload_op is not None:  # the payload of our read was cut short
+            self._payload_op.xfer.fail(exc)
+            self._payload_op = None
+        sendq, self._sendq = self._sendq, deque()
+        for out in sendq:
+            self._dropped(out)
         pending, self._pending = self._pending, {}
         for op in pending.values():
+            op.xfer.fail(exc)
+        backlog, self._backlog = self._backlog, deque()
+        for op in backlog:
+            if op.state != _OP_DONE and op.out is not None:
+                op.state = _OP_DONE
+                self._dropped(op.out)
             op.xfer.fail(exc)
         self._sock.close()
 
@@ -425,6 +585,51 @@ class TcpChannel:
         if self._closed is None:
             self._closed = exc or LLMLinkFailed("link closed")
             self._teardown(self._closed)
+
+    def revoke(self, local: LocalCache, exc: LLMException) -> None:
+        """``local`` is being unregistered and its deadline passed: stop every operation of this
+        channel on it now, so that none reads or writes its memory afterwards.
+
+        Frames not yet started are answered (or failed) with ``exc``'s code; a peer's write that is
+        landing in it goes on into a discard buffer and is answered with that code. A frame already
+        partly sent from its memory cannot be taken back without desynchronising the stream: then
+        the data connection is closed and the link is marked broken."""
+        if self._closed is not None:
+            return
+        code = int(exc.status_code)
+        cut = False
+        for out in [o for o in self._sendq if o.pinned is local]:
+            if out.idx >= 0:
+                cut = True
+            elif out.rsp_req is not None:  # our response to the peer's read: answer with the error
+                out.bufs = [HDR.pack(READ_RSP, 0, 0, 0, out.rsp_req, code, 0)]
+                local.unpin(self)
+                out.pinned = None
+            elif out.op is not None:  # our own write, not started: never send it
+                op = out.op
+                if self._pending.get(op.req_id) is op:
+                    del self._pending[op.req_id]
+                self._sendq.remove(out)
+                self._dropped(out)
+                op.xfer.fail(exc)
+                self._retire(op)
+        for op in self._backlog:
+            if op.state == _OP_BACKLOG and op.out is not None and op.out.pinned is local:
+                op.state = _OP_DONE
+                self._backlog_dead += 1
+                self._dropped(op.out)
+                op.xfer.fail(exc)
+        self._compact()
+        if self._payload_pin is local:  # the peer's write lands in it: discard the rest, answer with the error
+            local.unpin(self)
+            self._payload_pin = None
+            self._state = _ST_DISCARD
+            self._dests = []
+            assert self._payload_served is not None
+            self._on_payload = self._write_rsp(self._payload_req, code, self._payload_served)
+        if cut:
+            self._fail(LLMLinkFailed(f"data connection closed: cache {local.cache_id} was unregistered "
+                                     f"while a transfer was still using it ({exc})"))
 
 
 class TcpEndpoint(Endpoint):

@@ -12,7 +12,7 @@ from typing import Any
 import _peer
 import numpy as np
 import pytest
-from conftest import requires_cma
+from conftest import Peer, requires_cma
 from kvflow import (
     CacheDesc,
     CacheIndex,
@@ -21,14 +21,16 @@ from kvflow import (
     IpInfo,
     LlmDataDist,
     LLMException,
+    LLMKvCacheNotExist,
+    LLMLinkFailed,
     LLMParamInvalid,
     LlmRole,
 )
 from kvflow._memory import Registry
-from kvflow.transport import TransportContext
+from kvflow.transport import LinkChannel, RemoteCache, RemoteRegion, RunBatch, TransportContext
 
 import kvflow_shm
-from kvflow_shm import ShmTransport
+from kvflow_shm import ShmEndpoint, ShmTransport
 
 pytestmark = requires_cma
 SHM = {"kvflow.Transports": "shm"}
@@ -202,3 +204,84 @@ def test_check_peer_reports_ptrace_denial() -> None:
 def test_bad_options(key: str, value: str) -> None:
     with pytest.raises(LLMParamInvalid, match=key):
         _transport({key: value})
+
+
+class _Channel(LinkChannel):
+    """Stands in for the core's channel in endpoint-level tests: records ``broken`` reports."""
+
+    initiator = True
+    peer_cluster_id = 1
+
+    def __init__(self) -> None:
+        self.reports: list[BaseException] = []
+
+    async def open_stream(self) -> Any:
+        raise AssertionError("shm needs no stream")
+
+    def broken(self, exc: BaseException) -> None:
+        self.reports.append(exc)
+
+
+def _batch(t: ShmTransport, local_mem: np.ndarray, regions: list[tuple[int, int]], runs: list[tuple[int, int, int]],
+           ) -> RunBatch:
+    """Runs (local offset, remote region, remote offset) of ``bs`` bytes each, bs = len(local) / len(runs)."""
+    bs = local_mem.size // len(runs)
+    local = t.ctx.registry.add(CacheDesc(1, DataType.DT_UINT8, [len(runs), bs]), [local_mem])
+    t.register(local)
+    remote = RemoteCache(1, 1, CacheDesc(len(regions), DataType.DT_UINT8, [1]),
+                         tuple(RemoteRegion(a, n) for a, n in regions))
+    lo = np.array([r[0] for r in runs], dtype=np.uint64)
+    rt = np.array([r[1] for r in runs], dtype=np.int64)
+    ro = np.array([r[2] for r in runs], dtype=np.uint64)
+    rbase = np.array([a for a, _ in regions], dtype=np.uint64)[rt]
+    return RunBatch(np.uint64(local_mem.ctypes.data) + lo, rbase + ro, np.full(len(runs), bs, dtype=np.uint64),
+                    np.zeros(len(runs), dtype=np.int64), rt, local, remote)
+
+
+@pytest.mark.asyncio
+async def test_split_batch_with_a_failing_part() -> None:
+    peer = Peer(nbytes=16 << 20)
+    try:
+        async with asyncio.timeout(30):
+            t, ch = _transport(), _Channel()
+            ep = ShmEndpoint(t, peer.pid, None, ch)
+            bs = 1 << 20
+            mem = np.zeros(17 * bs, dtype=np.uint8)
+            # 16 good runs, then one into the peer's guard map (page 0 mapped, page 1 PROT_NONE)
+            regions = [(peer.addr, peer.nbytes), (peer.info["guard"], bs)]
+            runs = [(i * bs, 0, i * bs) for i in range(16)] + [(16 * bs, 1, 0)]
+            with pytest.raises(LLMKvCacheNotExist, match="EFAULT"):
+                await ep.read(_batch(t, mem, regions, runs))
+            assert ch.reports == []  # a missing remote page does not break the link
+            good = _batch(t, mem[: 16 * bs], regions[:1], runs[:16])
+            await ep.read(good)
+            assert mem[: 16 * bs].tobytes() == peer.contents()
+            await ep.close()
+            await t.close()
+    finally:
+        peer.stop()
+
+
+@pytest.mark.asyncio
+async def test_abort_fails_inflight_copies_and_later_calls() -> None:
+    peer = Peer(nbytes=64 << 20)
+    try:
+        async with asyncio.timeout(30):
+            t, ch = _transport({"kvflow.shm.InlineBytes": "0"}), _Channel()
+            ep = ShmEndpoint(t, peer.pid, None, ch)
+            bs = 64 << 10
+            n = peer.nbytes // bs
+            mem = np.zeros(peer.nbytes, dtype=np.uint8)
+            batch = _batch(t, mem, [(peer.addr, peer.nbytes)], [(i * bs, 0, (n - 1 - i) * bs) for i in range(n)])
+            task = asyncio.ensure_future(ep.read(batch))
+            await asyncio.sleep(0.001)
+            ep.abort(LLMLinkFailed("test abort"))
+            try:
+                await task
+            except LLMLinkFailed as exc:
+                assert "test abort" in str(exc)
+            with pytest.raises(LLMLinkFailed, match="closed"):
+                await ep.read(batch)
+            await t.close()
+    finally:
+        peer.stop()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import socket
@@ -46,6 +47,8 @@ log = logging.getLogger("kvflow.shm")
 DEFAULT_INLINE_BYTES = 256 << 10
 #: Copy threads per LlmDataDist (option ``kvflow.shm.Threads``).
 DEFAULT_THREADS = 2
+#: A batch is split over the worker threads only into parts of at least this many bytes.
+SPLIT_BYTES = 4 << 20
 #: Environment switch that turns the transport off on this machine.
 DISABLE_ENV = "KVFLOW_SHM_DISABLE"
 PROBE_BYTES = 16
@@ -101,24 +104,38 @@ def _int_option(options: Mapping[str, str], key: str, default: int, lo: int) -> 
 
 
 class _Op:
-    """A copy running in a worker thread."""
+    """A copy running in worker threads: its parts and their shared stop flag."""
 
-    __slots__ = ("fut", "stop")
+    __slots__ = ("futs", "stop")
 
-    def __init__(self, stop: ll.StopFlag, fut: asyncio.Future[int]) -> None:
+    def __init__(self, stop: ll.StopFlag, futs: list[asyncio.Future[int]]) -> None:
         self.stop = stop
-        self.fut = fut
+        self.futs = futs
 
 
-async def _settle(fut: asyncio.Future[Any]) -> None:
-    """Wait until ``fut`` is done, whatever cancellations arrive meanwhile."""
-    while not fut.done():
-        try:
-            await asyncio.wait((fut,))
-        except asyncio.CancelledError:
-            continue
-    if not fut.cancelled():
-        fut.exception()  # retrieved: the caller raises its own error
+async def _settle(futs: list[asyncio.Future[Any]]) -> None:
+    """Wait until every future is done, whatever cancellations arrive meanwhile."""
+    for fut in futs:
+        while not fut.done():
+            try:
+                await asyncio.wait((fut,))
+            except asyncio.CancelledError:
+                continue
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the caller raises its own error
+
+
+def _split(args: tuple[Any, ...], total: int, threads: int) -> list[tuple[Any, ...]]:
+    """``transfer`` arguments cut at run boundaries into up to ``threads`` parts of similar size."""
+    lens = args[4]
+    k = min(threads, total // SPLIT_BYTES, lens.size)
+    if k < 2:
+        return [args]
+    cum = np.cumsum(lens, dtype=np.uint64)
+    cuts = np.searchsorted(cum, (np.arange(1, k, dtype=np.uint64) * np.uint64(total // k)), side="left") + 1
+    bounds = [0, *sorted({int(c) for c in cuts if 0 < c < lens.size}), lens.size]
+    head, arrays, tail = args[:2], args[2:7], args[7:]
+    return [(*head, *(a[lo:hi] for a in arrays), *tail) for lo, hi in itertools.pairwise(bounds)]
 
 
 class ShmEndpoint(Endpoint):
@@ -158,27 +175,38 @@ class ShmEndpoint(Endpoint):
         args = (self.pid, write, batch.local_addrs, batch.remote_addrs, batch.lengths, batch.local_tensor,
                 batch.remote_tensor, t._local_regions(batch.local_cache), _remote_regions(batch.remote_cache))
         try:
-            if ll.transfer(*args, inline_limit=t.inline_bytes, out=self._out) >= 0:
+            moved = ll.transfer(*args, inline_limit=t.inline_bytes, out=self._out)
+            if moved >= 0:
                 return
         except ll.RunOutOfBounds as exc:
             raise _out_of_bounds(batch, exc) from None
         except LLMLinkFailed as exc:
             self._broken(exc)
             raise
-        # Too large for the loop thread: copy in a worker with the GIL released.
+        # Too large for the loop thread: copy in worker threads with the GIL released, a big
+        # batch split by bytes over the threads. One stop flag covers every part.
         stop = ll.StopFlag()
-        cf: Future[int] = t._executor().submit(ll.transfer, *args, stop=stop)
-        fut = asyncio.wrap_future(cf, loop=self._loop)
-        op = _Op(stop, fut)
+        pool = t._executor()
+        cfs: list[Future[int]] = [pool.submit(ll.transfer, *part, stop=stop)
+                                  for part in _split(args, -moved, t.threads)]
+        futs = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
+        op = _Op(stop, futs)
         self._inflight.add(op)
         try:
-            await asyncio.shield(fut)
+            await asyncio.wait(futs, return_when=asyncio.FIRST_EXCEPTION)
+            if not all(f.done() for f in futs):  # one part failed: stop the others first
+                stop.set()
+                await _settle(futs)
+            errors = [f.exception() for f in futs if f.exception() is not None]
+            if errors:
+                raise next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0])
         except asyncio.CancelledError:
-            # No byte may land after we raise: stop the loop at its next syscall boundary
-            # (or before it starts) and wait for the thread to let go of our memory.
+            # No byte may land after we raise: stop each copy loop at its next syscall boundary
+            # (or before it starts) and wait for the threads to let go of our memory.
             stop.set()
-            cf.cancel()
-            await _settle(fut)
+            for cf in cfs:
+                cf.cancel()
+            await _settle(futs)
             raise
         except ll.CopyStopped:
             raise (self._closed or LLMLinkFailed("shm copy stopped")) from None
@@ -212,7 +240,7 @@ class ShmEndpoint(Endpoint):
     async def close(self) -> None:
         self.abort(LLMLinkFailed("link closed"))
         self._transport._endpoints.discard(self)
-        pending = [op.fut for op in self._inflight]
+        pending = [f for op in self._inflight for f in op.futs]
         if pending:
             await asyncio.wait(pending, timeout=10)
 

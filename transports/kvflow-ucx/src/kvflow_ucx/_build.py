@@ -83,10 +83,11 @@ int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_work
 void kvf_worker_destroy(kvf_worker *w);
 int kvf_worker_efd(kvf_worker *w);
 int kvf_worker_arm(kvf_worker *w);
-unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds);
+unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, int *more);
 size_t kvf_worker_events(kvf_worker *w, kvf_event *out, size_t max);
 int kvf_worker_address(kvf_worker *w, void **addr, size_t *len);
 char *kvf_worker_info(kvf_worker *w);
+char *kvf_context_info(kvf_worker *w);
 
 int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out);
 int kvf_mem_unmap(kvf_worker *w, ucp_mem_h memh);
@@ -98,6 +99,9 @@ void kvf_rkey_destroy(ucp_rkey_h rkey);
 int kvf_ep_close(kvf_ep *e, int force, kvf_op *op);
 char *kvf_ep_info(kvf_ep *e);
 
+int64_t kvf_check_runs(size_t n, const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
+                       const int64_t *lidx, const uint64_t *lbounds, int64_t nl,
+                       const int64_t *ridx, const uint64_t *rbounds, int64_t nr);
 kvf_op *kvf_op_new(kvf_worker *w, uint64_t id);
 size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
@@ -112,6 +116,7 @@ SOURCE = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <ucp/api/ucp.h>
 
 #define KVF_EV_OP 1
@@ -247,16 +252,31 @@ int kvf_worker_efd(kvf_worker *w) { return w->efd; }
 
 int kvf_worker_arm(kvf_worker *w) { return ucp_worker_arm(w->worker); }
 
-unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds)
+static uint64_t kvf_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ucp_worker_progress until it reports no work, ``max_rounds`` calls or ``max_ns`` elapse;
+ * *more is 1 if it stopped with work left (the worker still reported progress). */
+unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, int *more)
 {
     unsigned total = 0, n, r;
+    uint64_t start = kvf_now_ns();
+    *more = 0;
     for (r = 0; r < max_rounds; r++) {
         n = ucp_worker_progress(w->worker);
         if (n == 0) {
-            break;
+            return total;
         }
         total += n;
+        if (kvf_now_ns() - start > max_ns) {
+            break;
+        }
     }
+    *more = 1;
     return total;
 }
 
@@ -302,6 +322,19 @@ char *kvf_worker_info(kvf_worker *w)
         return NULL;
     }
     ucp_worker_print_info(w->worker, f);
+    fclose(f);
+    return buf;
+}
+
+char *kvf_context_info(kvf_worker *w)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (f == NULL) {
+        return NULL;
+    }
+    ucp_context_print_info(w->ctx, f);
     fclose(f);
     return buf;
 }
@@ -365,7 +398,7 @@ int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.address = (const ucp_address_t *)addr;
-    p.err_mode = getenv("KVF_NOERR") ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = kvf_ep_err_cb;
     p.err_handler.arg = e;
     st = ucp_ep_create(w->worker, &p, &e->ep);
@@ -395,6 +428,35 @@ char *kvf_ep_info(kvf_ep *e)
     ucp_ep_print_info(e->ep, f);
     fclose(f);
     return buf;
+}
+
+static int kvf_run_ok(uint64_t addr, uint64_t len, int64_t idx, const uint64_t *bounds, int64_t nb)
+{
+    uint64_t start, end;
+    if (idx < 0 || idx >= nb) {
+        return 0;
+    }
+    start = bounds[2 * idx];
+    end = bounds[2 * idx + 1];
+    return addr >= start && addr <= end && len <= end - addr;
+}
+
+/* Check every run against its region's [start, end) on both sides before anything is issued.
+ * Returns -1 if all are inside, else 2*i (local side of run i is outside) or 2*i+1 (remote side). */
+int64_t kvf_check_runs(size_t n, const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
+                       const int64_t *lidx, const uint64_t *lbounds, int64_t nl,
+                       const int64_t *ridx, const uint64_t *rbounds, int64_t nr)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        if (len[i] == 0 || !kvf_run_ok(laddr[i], len[i], lidx[i], lbounds, nl)) {
+            return 2 * (int64_t)i;
+        }
+        if (!kvf_run_ok(raddr[i], len[i], ridx[i], rbounds, nr)) {
+            return 2 * (int64_t)i + 1;
+        }
+    }
+    return -1;
 }
 
 kvf_op *kvf_op_new(kvf_worker *w, uint64_t id)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-
 from kvflow._status import (
     LLMException,
     LLMFailed,
@@ -28,11 +27,11 @@ from kvflow._status import (
 __all__ = [
     "EV_EP_ERROR",
     "EV_OP",
+    "UCS_ERR_BUSY",
+    "UCS_OK",
     "Endpoint",
     "MemMap",
     "Op",
-    "UCS_ERR_BUSY",
-    "UCS_OK",
     "Worker",
     "load",
     "status_name",
@@ -196,7 +195,7 @@ class MemMap:
 class Op:
     """One batch of RMA (or one close) in flight; completes with one ``EV_OP`` event."""
 
-    __slots__ = ("id", "_op")
+    __slots__ = ("_op", "id")
 
     def __init__(self, worker: Worker, op_id: int) -> None:
         self.id = op_id
@@ -214,6 +213,27 @@ class Op:
         done = _native.lib.kvf_op_finish(self._op, st)
         self._op = None
         return int(st[0]) if done else None
+
+
+def check_runs(laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray, lidx: np.ndarray,
+               lbounds: np.ndarray, ridx: np.ndarray, rbounds: np.ndarray) -> int:
+    """-1 if every run lies inside its region on both sides, else ``2*i`` (run ``i``'s local side is
+    outside) or ``2*i + 1`` (its remote side). Bounds are uint64 ``[start0, end0, start1, ...]``."""
+    ffi = _native.ffi
+    return _native.lib.kvf_check_runs(
+        lengths.size, ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
+        ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("int64_t[]", lidx),
+        ffi.from_buffer("uint64_t[]", lbounds), lbounds.size // 2, ffi.from_buffer("int64_t[]", ridx),
+        ffi.from_buffer("uint64_t[]", rbounds), rbounds.size // 2,
+    )
+
+
+def bounds(starts: list[int], sizes: list[int]) -> np.ndarray:
+    """``[start0, end0, start1, end1, ...]`` as uint64, for :func:`check_runs`."""
+    out = np.empty(2 * len(starts), dtype=np.uint64)
+    out[0::2] = starts
+    out[1::2] = np.array(starts, dtype=np.uint64) + np.array(sizes, dtype=np.uint64)
+    return out
 
 
 class Endpoint:
@@ -294,6 +314,7 @@ class Worker:
         finally:
             lib.kvf_free(buf[0])
         self._ev = ffi.new("kvf_event[]", self.EVENT_BATCH)
+        self._more = ffi.new("int *")
         self._next_id = 1
 
     @property
@@ -308,9 +329,13 @@ class Worker:
     def new_op(self) -> Op:
         return Op(self, self.next_id())
 
-    def progress(self, max_rounds: int = 64) -> int:
-        """``ucp_worker_progress`` until it reports no work or ``max_rounds`` calls."""
-        return self.lib.kvf_worker_progress(self._w, max_rounds)
+    def progress(self, max_rounds: int = 1024, max_us: int = 500) -> bool:
+        """``ucp_worker_progress`` until it reports no work, ``max_rounds`` calls or ``max_us`` pass.
+
+        True if it stopped with work left (call again soon)."""
+        more = self._more
+        self.lib.kvf_worker_progress(self._w, max_rounds, max_us * 1000, more)
+        return bool(more[0])
 
     def events(self) -> list[tuple[int, int, int]]:
         """Completions since the last call, as ``(id, kind, status)``."""
@@ -364,6 +389,18 @@ class Worker:
     def info(self) -> str:
         """``ucp_worker_print_info``."""
         return _take_string(self.lib.kvf_worker_info(self._w))
+
+    def context_info(self) -> str:
+        """``ucp_context_print_info``: the memory domains and transport resources UCX opened."""
+        return _take_string(self.lib.kvf_context_info(self._w))
+
+    def transports(self) -> list[str]:
+        """The transport resources of the context, as ``tl/device`` (``rc_mlx5/mlx5_0:1``, ``tcp/lo``...)."""
+        out = []
+        for line in self.context_info().splitlines():
+            if "resource" in line and "/" in line:
+                out.append(line.rsplit(None, 1)[-1])
+        return out
 
     def destroy(self) -> None:
         """Destroy the worker and its context (endpoints must be closed first)."""

@@ -1,0 +1,336 @@
+"""Observability: per-link counters and latency histograms, trace spans, structured log lines.
+
+Every ``LlmDataDist`` owns one :class:`Metrics`. The hot path (one call per finished transfer)
+is a dict lookup, a ``bisect`` into fixed histogram bounds and a few integer additions; nothing
+is allocated once a (peer, transport, op) series exists. Readers take snapshots:
+``LlmDataDist.stats()`` (a plain dict) and the Prometheus collector in :mod:`kvflow.metrics`,
+which walks every live ``Metrics`` of the process.
+
+Trace spans (OpenTelemetry) are made only when ``opentelemetry-api`` is importable *and* an
+application has installed a tracer provider; otherwise the check costs one attribute read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ._status import LLMException
+
+if TYPE_CHECKING:
+    from ._link import Link
+    from .transport import RunBatch
+
+try:  # guarded once: without opentelemetry-api every tracing call is a no-op
+    from opentelemetry import trace as _ot
+    from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Status, StatusCode
+except ImportError:  # pragma: no cover - depends on the environment
+    _ot = None  # type: ignore[assignment]
+
+log = logging.getLogger("kvflow")
+
+#: Upper bounds (seconds) of the transfer latency histogram buckets (an implicit +Inf follows).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0,
+)
+#: Upper bounds (seconds) of the layer-wise exposed-time histogram buckets.
+EXPOSED_BUCKETS: tuple[float, ...] = (
+    0.0, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 5.0,
+)
+
+_now = time.perf_counter
+
+
+def event(name: str, level: int = logging.INFO, logger: logging.Logger = log, **fields: Any) -> None:
+    """One structured log line: ``<name> k=v k=v``, with the fields also in ``record.kvflow``.
+
+    ``record.kvflow_event`` holds ``name``, so a JSON formatter or a filter can use the fields
+    without parsing the text."""
+    if not logger.isEnabledFor(level):
+        return
+    text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+    logger.log(level, "%s %s", name, text, extra={"kvflow_event": name, "kvflow": fields})
+
+
+def _fmt(v: Any) -> str:
+    s = str(v)
+    return repr(s) if (" " in s or not s) else s
+
+
+def status_name(exc: BaseException) -> str:
+    """The label a failure is counted under: the LLMStatusCode name, or what else it was."""
+    if isinstance(exc, LLMException):
+        return exc.status_code.name
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    return type(exc).__name__
+
+
+class Histogram:
+    """Fixed-bound histogram: per-bucket counts (not cumulative), count and sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``[(upper bound, observations <= bound), ..., (inf, count)]``, as Prometheus wants them."""
+        out, acc = [], 0
+        for b, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            acc += c
+            out.append((b, acc))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding quantile ``q`` (an estimate; None when empty)."""
+        n = self.count
+        if not n:
+            return None
+        rank = q * n
+        for b, c in self.cumulative():
+            if c >= rank:
+                return b
+        return float("inf")  # pragma: no cover
+
+    def snapshot(self) -> dict[str, Any]:
+        n = self.count
+        return {"count": n, "sum": self.sum, "mean": self.sum / n if n else None,
+                "p50_le": self.quantile(0.5), "p99_le": self.quantile(0.99),
+                "buckets": [[b, c] for b, c in self.cumulative()]}
+
+
+class OpStats:
+    """Counters of one (peer, transport, op) series."""
+
+    __slots__ = ("bytes", "errors", "latency", "runs", "transfers")
+
+    def __init__(self) -> None:
+        self.transfers = 0
+        self.bytes = 0
+        self.runs = 0
+        self.errors: dict[str, int] = {}
+        self.latency = Histogram(LATENCY_BUCKETS)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"transfers": self.transfers, "bytes": self.bytes, "runs": self.runs,
+                "errors": dict(self.errors), "latency": self.latency.snapshot()}
+
+
+_LIVE: weakref.WeakSet[Metrics] = weakref.WeakSet()
+
+
+def live() -> list[Metrics]:
+    """Every ``Metrics`` of this process whose ``LlmDataDist`` is initialized (not yet finalized)."""
+    return [m for m in list(_LIVE) if m.active]
+
+
+class Metrics:
+    """Counters of one ``LlmDataDist``: transfers per (peer cluster, transport, op), link events."""
+
+    def __init__(self, cluster_id: int, owner: Any = None) -> None:
+        self.cluster_id = cluster_id
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self.series: dict[tuple[int, str, str], OpStats] = {}
+        self.link_events: dict[str, int] = {"up": 0, "down": 0}
+        self.link_failures: dict[str, int] = {}  # link attempts that failed, by status
+        self.links_up: dict[int, tuple[str, float]] = {}  # peer -> (transport, time.time() it came up)
+        self.exposed = Histogram(EXPOSED_BUCKETS)
+        self.layers = 0
+        _LIVE.add(self)
+        if _ot is not None:
+            _ot.get_tracer_provider()  # lets OTEL_PYTHON_TRACER_PROVIDER install its provider now
+
+    @property
+    def active(self) -> bool:
+        """Whether the owning ``LlmDataDist`` is initialized and not finalized (exporters skip others)."""
+        if self._owner is None:
+            return True
+        owner = self._owner()
+        return owner is not None and bool(getattr(owner, "_initialized", False))
+
+    # -------------------------------------------------------------- the hot path
+    def done(self, op: str, peer: int, transport: str, batch: RunBatch, seconds: float, span: Any) -> None:
+        """A transfer finished: count its bytes and runs, observe its latency."""
+        key = (peer, transport, op)
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = OpStats()
+        lengths = batch.lengths
+        runs = lengths.size
+        nbytes = int(lengths[0]) if runs == 1 else int(lengths.sum())  # numpy's sum costs ~1 us
+        s.transfers += 1
+        s.bytes += nbytes
+        s.runs += runs
+        h = s.latency
+        h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        h.sum += seconds
+        if span is not None:
+            span.set_attribute("kvflow.bytes", nbytes)
+            span.set_attribute("kvflow.runs", runs)
+            span.end()
+
+    def failed(self, op: str, peer: int, link: Link | None, exc: BaseException, seconds: float,
+               span: Any) -> None:
+        """A transfer raised ``exc``: count it under its status, log it, close its span."""
+        transport = link.transport if link is not None else ""
+        key = (peer, transport, op)
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = OpStats()
+        name = status_name(exc)
+        s.errors[name] = s.errors.get(name, 0) + 1
+        if span is not None:
+            span.set_attribute("kvflow.status", name)
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, name))
+            span.end()
+        quiet = name in ("CANCELLED", "LLM_PARAM_INVALID", "LLM_KV_CACHE_NOT_EXIST")
+        event("transfer_failed", logging.DEBUG if quiet else logging.INFO, cluster=self.cluster_id, peer=peer,
+              op=op, transport=transport or "-", status=name, ms=round(seconds * 1e3, 3), error=str(exc)[:200])
+
+    def start_span(self, op: str, peer: int, cache_id: int) -> Any:
+        """An OpenTelemetry span for one transfer, or None (no API, or no provider installed)."""
+        if _ot is None or _ot._TRACER_PROVIDER is None:
+            return None
+        tracer = _tracer()
+        if tracer is None:
+            return None
+        return tracer.start_span(f"kvflow.{op}", attributes={
+            "kvflow.cluster": self.cluster_id, "kvflow.peer_cluster": peer, "kvflow.op": op,
+            "kvflow.cache_id": cache_id})
+
+    # -------------------------------------------------------------- links and layers
+    def link_up(self, link: Link) -> None:
+        self.link_events["up"] += 1
+        self.links_up[link.remote_cluster_id] = (link.transport, time.time())
+        event("link_up", cluster=self.cluster_id, peer=link.remote_cluster_id, transport=link.transport,
+              initiator=link.initiator, fallbacks=";".join(f"{k}:{v}" for k, v in link.fallbacks.items()) or "-")
+
+    def link_down(self, link: Link) -> None:
+        self.link_events["down"] += 1
+        up = self.links_up.get(link.remote_cluster_id)
+        if up is not None and up[0] == link.transport:
+            del self.links_up[link.remote_cluster_id]
+        err = link.error
+        reason = status_name(err) if err is not None else "closed"
+        event("link_down", logging.WARNING if err is not None and not link.closing else logging.INFO,
+              cluster=self.cluster_id, peer=link.remote_cluster_id, transport=link.transport, reason=reason,
+              error=str(err)[:200] if err is not None else "-")
+
+    def link_failed(self, peer: int, address: tuple[str, int], status: str, why: str) -> None:
+        self.link_failures[status] = self.link_failures.get(status, 0) + 1
+        event("link_failed", logging.WARNING, cluster=self.cluster_id, peer=peer,
+              address=f"{address[0]}:{address[1]}", status=status, error=why[:200])
+
+    def observe_exposed(self, seconds: float) -> None:
+        """Layer-wise push: the time the caller waited for the last layer(s) after its compute ended
+        (the transfer time that overlap did not hide). Called once per layer-wise request."""
+        self.exposed.observe(max(0.0, seconds))
+
+    def observe_layers(self, n: int = 1) -> None:
+        """Layer-wise push: ``n`` more layers reached a peer (their bytes are in the push series)."""
+        self.layers += n
+
+    # -------------------------------------------------------------- readers
+    def iter_series(self) -> Iterator[tuple[int, str, str, OpStats]]:
+        for (peer, transport, op), s in list(self.series.items()):
+            yield peer, transport, op, s
+
+    def snapshot(self, link_states: dict[int, tuple[str, str]]) -> dict[str, Any]:
+        """The counters as plain data; ``link_states`` maps peer -> (transport, state) of live links."""
+        total: dict[str, Any] = {"transfers": 0, "bytes": 0, "runs": 0, "errors": {}}
+        ops: dict[str, dict[str, Any]] = {}
+        links: dict[int, dict[str, Any]] = {}
+        for peer, transport, op, s in self.iter_series():
+            snap = s.snapshot()
+            for d in (total, ops.setdefault(op, {"transfers": 0, "bytes": 0, "runs": 0, "errors": {}})):
+                d["transfers"] += s.transfers
+                d["bytes"] += s.bytes
+                d["runs"] += s.runs
+                for k, v in s.errors.items():
+                    d["errors"][k] = d["errors"].get(k, 0) + v
+            entry = links.setdefault(peer, {"transport": None, "state": "none", "series": {}})
+            entry["series"].setdefault(transport or "-", {})[op] = snap
+        for peer, (transport, state) in link_states.items():
+            entry = links.setdefault(peer, {"transport": None, "state": "none", "series": {}})
+            entry["transport"], entry["state"] = transport, state
+            up = self.links_up.get(peer)
+            if up is not None:
+                entry["up_since"] = up[1]
+        return {
+            "cluster_id": self.cluster_id,
+            "total": total,
+            "ops": ops,
+            "links": links,
+            "link_events": dict(self.link_events),
+            "link_failures": dict(self.link_failures),
+            "layerwise": {"layers": self.layers, "exposed_seconds": self.exposed.snapshot()},
+        }
+
+
+# ------------------------------------------------------------------ tracing
+_seen_provider: Any = None
+_cached_tracer: Any = None
+
+
+def _tracer() -> Any:
+    """The kvflow tracer when an application installed an OpenTelemetry tracer provider, else None."""
+    global _seen_provider, _cached_tracer
+    if _ot is None:
+        return None
+    provider = getattr(_ot, "_TRACER_PROVIDER", None)  # set by trace.set_tracer_provider; cheap to read
+    if provider is None:
+        if hasattr(_ot, "_TRACER_PROVIDER"):
+            return None
+        provider = _ot.get_tracer_provider()  # pragma: no cover - a future API without the global
+    if provider is not _seen_provider:
+        _seen_provider = provider
+        if isinstance(provider, (ProxyTracerProvider, NoOpTracerProvider)):
+            _cached_tracer = None
+        else:
+            from . import __version__
+
+            _cached_tracer = provider.get_tracer("kvflow", __version__)
+    return _cached_tracer
+
+
+def link_span(cluster_id: int, peer: int, address: tuple[str, int]) -> Any:
+    """A span around making one link (None when not tracing); end it with :func:`end_span`."""
+    tracer = _tracer()
+    if tracer is None:
+        return None
+    return tracer.start_span("kvflow.link", attributes={
+        "kvflow.cluster": cluster_id, "kvflow.peer_cluster": peer,
+        "net.peer.name": address[0], "net.peer.port": address[1]})
+
+
+def end_span(span: Any, status: str | None = None, **attributes: Any) -> None:
+    if span is None:
+        return
+    for k, v in attributes.items():
+        span.set_attribute(f"kvflow.{k}", v)
+    if status is not None and status != "LLM_SUCCESS":
+        span.set_attribute("kvflow.status", status)
+        span.set_status(Status(StatusCode.ERROR, status))
+    span.end()
+
+
+__all__ = ["EXPOSED_BUCKETS", "LATENCY_BUCKETS", "Histogram", "Metrics", "OpStats", "event", "live",
+           "now", "status_name"]
+now = _now

@@ -1,0 +1,90 @@
+"""``kvflow bench --plot PATH``: throughput against block size per transport, as a PNG (matplotlib)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)\b")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+#: Pixel size of the figure: 11 x 5 inches at 100 dpi.
+WIDTH, HEIGHT, DPI = 11.0, 5.0, 100
+
+
+def block_bytes(label: str) -> int | None:
+    """``"16 KiB scattered"`` -> 16384; None when the label names no size."""
+    m = _SIZE.search(label)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+def _fmt(n: int) -> str:
+    for unit in ("GiB", "MiB", "KiB"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]} {unit}"
+    return f"{n} B"
+
+
+def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
+    """Draw ``kvflow bench`` rows into a PNG at ``path`` and return ``path``.
+
+    Left: throughput (GiB/s) against block size, one solid line per (transport, op), each with its
+    raw baseline dashed in the same colour; a scattered block list is marked with an open marker.
+    Right (when latency rows are present): 4 KiB pull latency p50/p99, kvflow beside its baseline."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("kvflow bench --plot needs matplotlib: pip install 'kvflow[plot]'") from exc
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    thr = [r for r in rows if r.unit == "GiB/s" and block_bytes(r.block) is not None]
+    lat = [r for r in rows if r.unit == "us"]
+    fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI, layout="constrained")
+    if lat:
+        ax, axl = fig.subplots(1, 2, width_ratios=[2.2, 1])
+    else:
+        ax, axl = fig.subplots(1, 1), None
+    series: dict[tuple[str, str], list[Any]] = {}
+    for r in thr:
+        series.setdefault((r.transport, r.op), []).append(r)
+    colors = matplotlib.colormaps["tab10"].colors
+    sizes: set[int] = set()
+    for i, ((transport, op), rs) in enumerate(sorted(series.items())):
+        rs = sorted(rs, key=lambda r: block_bytes(r.block))
+        xs = [block_bytes(r.block) for r in rs]
+        sizes.update(x for x in xs if x)
+        color = colors[i % len(colors)]
+        ax.plot(xs, [r.kvflow for r in rs], "-o", color=color, label=f"kvflow {transport} {op}")
+        baseline = getattr(rs[0], "baseline", "raw")
+        ax.plot(xs, [r.raw for r in rs], "--", color=color, alpha=0.7, label=f"{baseline} ({transport} {op})")
+        for r, x in zip(rs, xs, strict=True):
+            if "scattered" in r.block:
+                ax.plot([x], [r.kvflow], "o", markersize=11, markerfacecolor="none", color=color)
+    if sizes:
+        ax.set_xscale("log", base=2)
+        ticks = sorted(sizes)
+        ax.set_xticks(ticks, [_fmt(t) for t in ticks])
+    ax.set_xlabel("block size (bytes per block per tensor; circled: scattered block list)")
+    ax.set_ylabel("throughput (GiB/s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="major", alpha=0.3)
+    if series:
+        ax.legend(fontsize="small", loc="best")
+    else:
+        ax.text(0.5, 0.5, "no throughput rows", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title or "kvflow bench: throughput against block size")
+    if axl is not None:
+        labels = [f"{r.transport}\n{r.op.split()[-1]}" for r in lat]
+        xs = list(range(len(lat)))
+        w = 0.38
+        axl.bar([x - w / 2 for x in xs], [r.kvflow for r in lat], w, label="kvflow", color=colors[0])
+        axl.bar([x + w / 2 for x in xs], [r.raw for r in lat], w, label="baseline", color=colors[7])
+        axl.set_xticks(xs, labels, fontsize="small")
+        axl.set_ylabel("latency (us)")
+        axl.set_title("4 KiB pull latency")
+        axl.legend(fontsize="small")
+        axl.grid(True, axis="y", alpha=0.3)
+    fig.savefig(path, format="png", dpi=DPI)
+    return path

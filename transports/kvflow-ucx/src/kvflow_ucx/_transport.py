@@ -1,0 +1,586 @@
+"""UcxTransport and UcxEndpoint: one-sided RMA through UCP, driven from the asyncio loop.
+
+One UCP context and worker per transport (that is, per ``LlmDataDist``). ``register`` maps
+each tensor with ``ucp_mem_map`` and hands peers its packed rkey; ``connect`` creates an
+endpoint from the peer's worker address with peer error handling; ``read``/``write`` issue a
+``ucp_get_nbx``/``ucp_put_nbx`` per run from C (puts end with one ``ucp_ep_flush_nbx``) and
+await one completion per batch.
+
+Progress is event driven: the worker's event fd sits in the loop (``add_reader``); when it is
+readable, or after work is issued, the loop progresses the worker for at most half a
+millisecond, dispatches completions, and re-arms. ``UCS_ERR_BUSY`` from the arm means there is
+more to do, so it progresses again on the next loop iteration; otherwise it sleeps until the
+fd fires. An idle linked pair therefore costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+from kvflow._status import LLMException, LLMKvCacheNotExist, LLMLinkFailed, LLMParamInvalid
+from kvflow._types import Placement
+from kvflow.transport import Endpoint, LinkChannel, LocalCache, RemoteCache, RunBatch, Transport
+
+from . import _lowlevel as ll
+
+log = logging.getLogger("kvflow.ucx")
+
+__all__ = ["UcxEndpoint", "UcxTransport"]
+
+#: Bytes issued per call into C before yielding to the loop (bounds the time a put batch
+#: spends copying into transport buffers, e.g. over TCP).
+ISSUE_BYTES = 16 << 20
+#: How long a cancelled transfer may take to finish its issued operations before the
+#: endpoint is force-closed so that no further byte can land.
+CANCEL_GRACE_S = 2.0
+#: While operations are in flight and the worker sleeps on its fd, wake up this often anyway
+#: (a safety net: UCX signals completions through the fd; ``rescues`` counts the times it did not).
+WATCHDOG_S = 0.05
+#: UCX settings kvflow changes from UCX's defaults unless the environment (``UCX_<VAR>``) or an
+#: option sets them. Shared-memory transports offer peer error handling only with
+#: MM_ERROR_HANDLING, and CMA serves one-sided RMA in that mode only with CMA_MEMORY_INVALIDATE;
+#: UCX's TCP moves RMA in segments of TCP_*_SEG_SIZE (8 KiB by default, several times slower).
+UCX_DEFAULTS = {
+    "MM_ERROR_HANDLING": "y",
+    "CMA_MEMORY_INVALIDATE": "y",
+    "TCP_TX_SEG_SIZE": "256k",
+    "TCP_RX_SEG_SIZE": "256k",
+}
+_ENV_ALIASES = {"MM_ERROR_HANDLING": ("MM_ERROR_HANDLING", "POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING")}
+_OPTION_PREFIX = "kvflow.ucx."
+#: kvflow-ucx's own options (``kvflow.ucx.<Name>``); all-capital names are UCX variables.
+KNOWN_OPTIONS = {"RequireRdma": ("auto", "yes", "no")}
+#: UCX transport names that are RDMA (InfiniBand / RoCE verbs and their accelerated variants).
+RDMA_TLS = ("rc_", "dc_", "ud_", "rc/", "dc/", "ud/", "gga", "srd")
+
+
+def _ucx_config(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(UCX settings for one worker, kvflow-ucx options) from ``kvflow.ucx.*`` options and defaults.
+
+    ``kvflow.ucx.TLS=tcp`` sets UCX_TLS for this instance only; kvflow's defaults apply unless
+    the environment or an option sets the variable."""
+    cfg: dict[str, str] = {}
+    own = {name: choices[0] for name, choices in KNOWN_OPTIONS.items()}
+    for key, value in UCX_DEFAULTS.items():
+        if not any(f"UCX_{n}" in os.environ for n in _ENV_ALIASES.get(key, (key,))):
+            cfg[key] = value
+    for key, value in options.items():
+        if not key.startswith(_OPTION_PREFIX):
+            continue
+        name = key[len(_OPTION_PREFIX):]
+        if name in KNOWN_OPTIONS:
+            v = str(value).strip().lower()
+            v = {"1": "yes", "true": "yes", "0": "no", "false": "no"}.get(v, v)
+            if v not in KNOWN_OPTIONS[name]:
+                choices = ", ".join(KNOWN_OPTIONS[name])
+                raise LLMParamInvalid(f"option {key}={value!r}: expected one of {choices}")
+            own[name] = v
+            continue
+        var = name.removeprefix("UCX_")
+        if not var or var.upper() != var or not var.replace("_", "").isalnum():
+            raise LLMParamInvalid(
+                f"unknown option {key!r}: expected kvflow.ucx.<UCX variable without UCX_, e.g. TLS> "
+                f"or one of {', '.join('kvflow.ucx.' + k for k in KNOWN_OPTIONS)}")
+        cfg[var] = str(value)
+    return cfg, own
+
+
+def _host_id() -> str:
+    """This host: hostname and boot id (two containers on one kernel share shared memory and CMA)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Progress:
+    """Drives one worker from the event loop and turns completion events into futures."""
+
+    def __init__(self, worker: ll.Worker, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        self.ops: dict[int, asyncio.Future[None]] = {}  # op id -> future, until the op's event arrives
+        self.what: dict[int, str] = {}
+        self.ep_handlers: dict[int, UcxEndpoint] = {}
+        self.idle_hooks: list[Any] = []
+        self._scheduled = False
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._fd = worker.efd
+        self.closed = False
+        self.rescues = 0  # completions found by the watchdog, not announced by the fd
+        self.wakeups = 0
+        loop.add_reader(self._fd, self._on_readable)
+        self.kick()
+
+    def track(self, op: ll.Op, what: str) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self.ops[op.id] = fut
+        self.what[op.id] = what
+        return fut
+
+    def kick(self) -> None:
+        """Progress on the next loop iteration."""
+        if not self._scheduled and not self.closed:
+            self._scheduled = True
+            self.loop.call_soon(self._run)
+
+    def _on_readable(self) -> None:
+        self.wakeups += 1
+        self._run()
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        if self.closed or not self.ops:
+            return
+        before = len(self.ops)
+        self._run()
+        if len(self.ops) < before:
+            self.rescues += 1
+
+    def _run(self) -> None:
+        self._scheduled = False
+        if self.closed:
+            return
+        w = self.worker
+        more = w.progress()
+        self.dispatch(w.events())
+        if more or w.arm() == ll.UCS_ERR_BUSY:
+            self.kick()
+        elif self.ops and self._watchdog is None:
+            self._watchdog = self.loop.call_later(WATCHDOG_S, self._watch)
+
+    def finish(self, op: ll.Op, fut: asyncio.Future[None], what: str) -> None:
+        """Stop issuing into ``op``; resolve ``fut`` now if it already completed, else on its event."""
+        status = op.finish()
+        if status is None:
+            self._run()  # progress at once: a shared-memory copy often completes right here
+            return
+        self.ops.pop(op.id, None)
+        self.what.pop(op.id, None)
+        self._resolve(fut, status, what)
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future[None], status: int, what: str) -> None:
+        if fut.done():
+            return
+        if status == ll.UCS_OK:
+            fut.set_result(None)
+        else:
+            fut.set_exception(ll.ucx_error(status, what))
+
+    def dispatch(self, events: list[tuple[int, int, int]]) -> None:
+        for ev_id, kind, status in events:
+            if kind == ll.EV_OP:
+                fut = self.ops.pop(ev_id, None)
+                what = self.what.pop(ev_id, "ucx")
+                if fut is not None:
+                    self._resolve(fut, status, what)
+            elif kind == ll.EV_EP_ERROR:
+                ep = self.ep_handlers.get(ev_id)
+                if ep is not None:
+                    ep._on_error(status)
+        if not self.ops and self.idle_hooks:
+            hooks, self.idle_hooks = self.idle_hooks, []
+            for hook in hooks:
+                hook()
+
+    def drive(self, until: asyncio.Future[Any] | None, max_s: float) -> None:
+        """Progress synchronously (no loop) until ``until`` is done or ``max_s`` pass (teardown only)."""
+        deadline = self.loop.time() + max_s
+        while (until is None or not until.done()) and self.loop.time() < deadline:
+            self.worker.progress()
+            self.dispatch(self.worker.events())
+            if until is None and not self.ops:
+                return
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        try:
+            self.loop.remove_reader(self._fd)
+        except Exception:  # loop already closed
+            pass
+
+
+@dataclass
+class _RemoteKeys:
+    """A peer cache's unpacked rkeys on one endpoint, and its regions' bounds."""
+
+    ep: UcxEndpoint
+    rkeys: list[Any]
+    table: Any
+    bounds: np.ndarray
+
+
+@dataclass
+class _Mapped:
+    """A local cache's ``ucp_mem_map`` handles, by tensor."""
+
+    maps: list[ll.MemMap]
+    table: Any
+    bounds: np.ndarray
+
+
+class UcxEndpoint(Endpoint):
+    """One link's UCX endpoint."""
+
+    def __init__(self, transport: UcxTransport, ep: ll.Endpoint, channel: LinkChannel) -> None:
+        self._t = transport
+        self._ep = ep
+        self._channel = channel
+        self._progress = transport._progress
+        self._dead: BaseException | None = None
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._keys: list[_RemoteKeys] = []
+        self._garbage: list[Any] = []  # rkeys of dropped remote caches, destroyed when idle
+        self._closing: asyncio.Future[None] | None = None
+        self._key = f"ucx:{id(self)}"
+        self._progress.ep_handlers[ep.id] = self
+
+    def __repr__(self) -> str:
+        state = "dead" if self._dead else "closed" if self._closing else "open"
+        return f"<UcxEndpoint cluster={self._channel.peer_cluster_id} {state} inflight={len(self._inflight)}>"
+
+    def info(self) -> str:
+        """UCX's description of the endpoint's lanes (which transports and devices it uses)."""
+        return self._ep.info()
+
+    # ---------------------------------------------------------------- remote keys
+    def _remote(self, remote: RemoteCache) -> _RemoteKeys:
+        keys = remote.cache.get(self._key)
+        if keys is not None:
+            return keys
+        rkeys: list[Any] = []
+        try:
+            for i, r in enumerate(remote.regions):
+                if not r.desc:
+                    raise LLMKvCacheNotExist(
+                        f"remote cache {remote.cache_id} tensor {i} was not registered with ucx on the peer")
+                rkeys.append(self._ep.rkey_unpack(r.desc))
+        except BaseException:
+            for k in rkeys:
+                ll.Endpoint.rkey_destroy(k)
+            raise
+        rb = ll.bounds([r.addr for r in remote.regions], [r.nbytes for r in remote.regions])
+        keys = _RemoteKeys(self, rkeys, self._t._worker.rkey_table(rkeys), rb)
+        remote.cache[self._key] = keys
+        self._keys.append(keys)
+        weakref.finalize(remote, self._drop_keys, keys)
+        return keys
+
+    def _drop_keys(self, keys: _RemoteKeys) -> None:
+        if keys in self._keys:
+            self._keys.remove(keys)
+            self._garbage.extend(keys.rkeys)
+            self._collect()
+
+    def _collect(self) -> None:
+        """Destroy dropped rkeys once no operation can still use them."""
+        if not self._garbage or not self._t._worker.alive:
+            return
+        if self._progress.ops:
+            if self._collect not in self._progress.idle_hooks:
+                self._progress.idle_hooks.append(self._collect)
+            return
+        garbage, self._garbage = self._garbage, []
+        for k in garbage:
+            ll.Endpoint.rkey_destroy(k)
+        self._maybe_forget()
+
+    def _maybe_forget(self) -> None:
+        """Leave the transport's set once closed with nothing left to release."""
+        if self._closing is not None and self._closing.done() and not self._keys and not self._garbage:
+            self._t._endpoints.discard(self)
+
+    # ---------------------------------------------------------------- transfers
+    async def read(self, batch: RunBatch) -> None:
+        await self._move(batch, False)
+
+    async def write(self, batch: RunBatch) -> None:
+        await self._move(batch, True)
+
+    def _check_usable(self) -> None:
+        if self._dead is not None:
+            raise LLMLinkFailed(f"ucx endpoint is broken: {self._dead}")
+        if self._closing is not None:
+            raise LLMLinkFailed("ucx endpoint is closed")
+
+    async def _move(self, batch: RunBatch, put: bool) -> None:
+        self._check_usable()
+        n = len(batch)
+        if n == 0:
+            return
+        u64, i64 = np.uint64, np.int64
+        lengths = np.ascontiguousarray(batch.lengths, dtype=u64)
+        laddr = np.ascontiguousarray(batch.local_addrs, dtype=u64)
+        raddr = np.ascontiguousarray(batch.remote_addrs, dtype=u64)
+        lidx = np.ascontiguousarray(batch.local_tensor, dtype=i64)
+        ridx = np.ascontiguousarray(batch.remote_tensor, dtype=i64)
+        if not laddr.size == raddr.size == lidx.size == ridx.size == n:
+            raise LLMParamInvalid("run arrays of different lengths")
+        mapped = self._t._mapped.get(batch.local_cache.cache_id)
+        if mapped is None:
+            raise LLMKvCacheNotExist(f"cache {batch.local_cache.cache_id} is not registered with ucx")
+        keys = self._remote(batch.remote_cache)
+        bad = ll.check_runs(laddr, raddr, lengths, lidx, mapped.bounds, ridx, keys.bounds)
+        if bad >= 0:
+            i, remote = divmod(bad, 2)
+            where = (f"remote cache {batch.remote_cache.cache_id}" if remote
+                     else f"cache {batch.local_cache.cache_id}")
+            raise LLMParamInvalid(f"run {i} ({int(lengths[i])} bytes) lies outside {where}")
+
+        worker = self._t._worker
+        op = worker.new_op()
+        what = "ucp_put_nbx" if put else "ucp_get_nbx"
+        fut = self._progress.track(op, what)
+        self._inflight.add(fut)
+        cancelled: asyncio.CancelledError | None = None
+        try:
+            i = 0
+            while i < n:
+                i += self._ep.rma(op, put, laddr[i:], raddr[i:], lengths[i:], lidx[i:], mapped.table,
+                                  ridx[i:], keys.table, ISSUE_BYTES)
+                if op.status() != ll.UCS_OK or i >= n:
+                    break
+                self._progress.kick()
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError as exc:  # stop issuing; what was issued still completes
+                    cancelled = exc
+                    break
+                if self._dead is not None or self._closing is not None:
+                    break
+            if put and op.status() == ll.UCS_OK and self._dead is None:
+                self._ep.flush(op)
+            self._progress.finish(op, fut, what)
+            if cancelled is not None:
+                await self._settle(fut)
+                raise cancelled
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                await self._settle(fut)
+                raise
+        finally:
+            self._inflight.discard(fut)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: a cancelled caller does not see it
+        if self._dead is not None and i < n:
+            raise LLMLinkFailed(f"ucx endpoint broke during the transfer: {self._dead}")
+
+    async def _settle(self, fut: asyncio.Future[None]) -> None:
+        """After a cancel: wait (bounded) until the issued operations complete, else force-close."""
+        deadline = self._progress.loop.time() + CANCEL_GRACE_S
+        while not fut.done():
+            left = deadline - self._progress.loop.time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait([fut], timeout=left)
+            except asyncio.CancelledError:
+                continue  # keep waiting: returning now could let bytes land after the caller raised
+        if not fut.done():
+            exc = LLMLinkFailed(f"ucx: a cancelled transfer did not finish within {CANCEL_GRACE_S} s; "
+                                "endpoint closed")
+            self._channel.broken(exc)
+            self.abort(exc)
+
+    # ---------------------------------------------------------------- failure and close
+    def _on_error(self, status: int) -> None:
+        """UCX reported the endpoint failed (peer died, connection reset...)."""
+        if self._dead is not None or self._closing is not None:
+            return
+        exc = ll.ucx_error(status, "ucx endpoint")
+        log.info("ucx endpoint to cluster %d failed: %s", self._channel.peer_cluster_id, exc)
+        self._fail(exc)
+        self._channel.broken(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Force-close the UCX endpoint; in-flight transfers fail (their operations are cancelled)."""
+        if self._closing is not None:
+            if self._dead is None:
+                self._dead = exc
+            return
+        self._dead = exc
+        self._start_close(force=True)
+        inflight = [f for f in self._inflight if not f.done()]
+        if inflight:  # cancelled requests normally complete inside the close; give them a moment
+            self._progress.drive(None, 0.05)
+        for f in inflight:
+            if not f.done():
+                f.set_exception(LLMLinkFailed(str(exc)) if not isinstance(exc, LLMException) else exc)
+
+    def _start_close(self, force: bool) -> None:
+        worker = self._t._worker
+        op = worker.new_op()
+        self._closing = self._progress.track(op, "ucp_ep_close_nbx")
+        self._progress.ep_handlers.pop(self._ep.id, None)
+        self._ep.close(op, force)
+        self._progress.finish(op, self._closing, "ucp_ep_close_nbx")
+
+    def _destroy_keys(self) -> None:
+        """Destroy every rkey now (transport teardown: nothing is in flight any more)."""
+        for keys in self._keys:
+            self._garbage.extend(keys.rkeys)
+        self._keys.clear()
+        garbage, self._garbage = self._garbage, []
+        for k in garbage:
+            ll.Endpoint.rkey_destroy(k)
+
+    def _release_keys(self) -> None:
+        for keys in self._keys:
+            self._garbage.extend(keys.rkeys)
+        self._keys.clear()
+        self._collect()
+
+    def abort(self, exc: BaseException) -> None:
+        self._fail(exc)
+        self._release_keys()
+
+    async def close(self) -> None:
+        if self._closing is None:
+            if self._inflight:
+                self._fail(LLMLinkFailed("ucx endpoint closed"))
+            else:
+                self._release_keys()
+                self._start_close(force=False)
+        assert self._closing is not None
+        done, _ = await asyncio.wait([self._closing], timeout=1.0)
+        if not done:  # a graceful close waits for the peer; do not let a dead one hold us
+            log.debug("ucx endpoint close timed out; forcing")
+        elif not self._closing.cancelled():
+            self._closing.exception()
+        self._release_keys()
+        self._maybe_forget()
+
+
+class UcxTransport(Transport):
+    """One-sided RMA through UCX: RoCE/InfiniBand verbs, shared memory (CMA) or TCP, as UCX picks."""
+
+    name = "ucx"
+    supports_device_memory: ClassVar[bool] = True  # through UCX's memory-type detection; unverified here
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.config, self.settings = _ucx_config(ctx.options)
+        self._worker = ll.Worker(self.config)
+        self.rdma = sorted(t for t in self._worker.transports() if t.startswith(RDMA_TLS))
+        self._host = _host_id()
+        self._progress: _Progress | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mapped: dict[int, _Mapped] = {}
+        self._endpoints: set[UcxEndpoint] = set()
+        try:
+            self._bind_loop()
+        except RuntimeError:  # no running loop yet: bound at connect
+            pass
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            ll.load()
+        except ImportError as exc:
+            return str(exc)
+        return None
+
+    def _bind_loop(self) -> _Progress:
+        loop = asyncio.get_running_loop()
+        if self._progress is None:
+            self._loop = loop
+            self._progress = _Progress(self._worker, loop)
+        elif self._loop is not loop:
+            raise LLMParamInvalid("a ucx transport is bound to the event loop it was started on")
+        return self._progress
+
+    def __repr__(self) -> str:
+        return (f"<UcxTransport cluster={self.ctx.cluster_id} caches={len(self._mapped)} "
+                f"endpoints={len(self._endpoints)}>")
+
+    def info(self) -> str:
+        """UCX's description of the worker (``ucp_worker_print_info``)."""
+        return self._worker.info()
+
+    def describe(self) -> dict[str, Any]:
+        return {"address": self._worker.address, "version": ll.versions()["library"], "host": self._host,
+                "rdma": self.rdma}
+
+    def check_peer(self, info: Mapping[str, Any]) -> str | None:
+        """Accept a peer on this host (UCX moves data through CMA or shared memory) or, by default, a
+        peer on another host only when both sides have an RDMA transport: without one, UCX falls back
+        to TCP, which kvflow's own tcp transport does faster (``kvflow.ucx.RequireRdma=no`` overrides)."""
+        addr = info.get("address")
+        if not isinstance(addr, (bytes, bytearray)) or not addr:
+            return "the peer sent no UCX worker address"
+        require = self.settings["RequireRdma"]
+        if require == "no" or (require == "auto" and info.get("host") == self._host):
+            return None
+        peer_rdma = info.get("rdma") or []
+        if self.rdma and peer_rdma:
+            return None
+        if not self.rdma and not peer_rdma:
+            side = "either side"
+        else:
+            side = "this side" if not self.rdma else "the peer"
+        return (f"no RDMA transport on {side} (UCX would use TCP; kvflow's tcp transport is faster there; "
+                "kvflow.ucx.RequireRdma=no uses UCX anyway)")
+
+    def register(self, cache: LocalCache) -> list[bytes | None]:
+        maps: list[ll.MemMap] = []
+        try:
+            for r in cache.regions:
+                maps.append(self._worker.mem_map(r.addr, r.nbytes, host=r.placement == Placement.HOST))
+        except BaseException:
+            for m in maps:
+                self._worker.mem_unmap(m)
+            raise
+        self._mapped[cache.cache_id] = _Mapped(maps, self._worker.memh_table(maps),
+                                               ll.bounds([m.addr for m in maps], [m.nbytes for m in maps]))
+        return [m.rkey for m in maps]
+
+    def unregister(self, cache: LocalCache) -> None:
+        mapped = self._mapped.pop(cache.cache_id, None)
+        if mapped is None or not self._worker.alive:
+            return
+        for m in mapped.maps:
+            self._worker.mem_unmap(m)
+
+    async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:
+        progress = self._bind_loop()
+        reason = self.check_peer(info)
+        if reason:
+            raise LLMLinkFailed(f"ucx: {reason}")
+        ep = UcxEndpoint(self, self._worker.connect(bytes(info["address"])), channel)
+        self._endpoints.add(ep)
+        progress.kick()
+        return ep
+
+    async def close(self) -> None:
+        if not self._worker.alive:
+            return
+        for ep in list(self._endpoints):
+            ep.abort(LLMLinkFailed("ucx transport closed"))
+        progress = self._progress
+        if progress is not None:
+            if progress.ops:
+                await asyncio.wait(list(progress.ops.values()), timeout=1.0)
+            progress.drive(None, 0.2)
+            progress.close()
+        for ep in self._endpoints:
+            ep._destroy_keys()
+        self._endpoints.clear()
+        for cache_id in list(self._mapped):
+            for m in self._mapped.pop(cache_id).maps:
+                self._worker.mem_unmap(m)
+        self._worker.destroy()

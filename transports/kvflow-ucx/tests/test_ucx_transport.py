@@ -1,0 +1,236 @@
+"""UcxTransport through LlmDataDist: conformance over TCP and shared memory, peer death, idle CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from kvflow import (
+    CacheDesc,
+    CacheIndex,
+    ClusterInfo,
+    DataType,
+    IpInfo,
+    LlmDataDist,
+    LLMException,
+    LLMLinkFailed,
+    LLMParamInvalid,
+    LlmRole,
+    LLMTimeoutError,
+    Placement,
+)
+from kvflow._proc import PeerProcess
+from kvflow.testing import check_transport
+from kvflow.transport import available_transports, load_transport
+from ucx_testlib import TLS_PARAMS, datadist_peer, proc_cpu_seconds, requires_ucx
+
+from kvflow_ucx import UcxTransport
+from kvflow_ucx._transport import _ucx_config
+
+pytestmark = requires_ucx
+
+
+def _opts(tls: str, **extra: str) -> dict[str, str]:
+    return {"kvflow.Transports": "ucx", "kvflow.ucx.TLS": tls, **extra}
+
+
+def test_found_by_name() -> None:
+    assert available_transports()["ucx"] == "ok"
+    assert load_transport("ucx") is UcxTransport
+
+
+def test_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_MM_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"):
+        monkeypatch.delenv(var, raising=False)
+    cfg, own = _ucx_config({"kvflow.ucx.TLS": "tcp", "kvflow.ucx.UCX_NET_DEVICES": "lo",
+                            "kvflow.ucx.RequireRdma": "0", "kvflow.other.X": "1"})
+    assert cfg["TLS"] == "tcp" and cfg["NET_DEVICES"] == "lo"
+    assert cfg["MM_ERROR_HANDLING"] == "y" and cfg["TCP_TX_SEG_SIZE"] == "256k"
+    assert own == {"RequireRdma": "no"}
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64k")
+    monkeypatch.setenv("UCX_POSIX_ERROR_HANDLING", "n")
+    cfg, _ = _ucx_config({})
+    assert "TCP_TX_SEG_SIZE" not in cfg and "MM_ERROR_HANDLING" not in cfg  # the environment wins
+    with pytest.raises(LLMParamInvalid, match="kvflow.ucx.tls"):
+        _ucx_config({"kvflow.ucx.tls": "tcp"})
+    with pytest.raises(LLMParamInvalid, match="RequireRdma"):
+        _ucx_config({"kvflow.ucx.RequireRdma": "maybe"})
+
+
+@pytest.mark.asyncio
+async def test_check_peer_prefers_kvflow_tcp_without_rdma() -> None:
+    from kvflow._memory import Registry
+    from kvflow.transport import TransportContext
+
+    t = UcxTransport(TransportContext(1, {"kvflow.ucx.TLS": "tcp"}, Registry(), "x"))
+    forced = UcxTransport(TransportContext(2, {"kvflow.ucx.TLS": "tcp", "kvflow.ucx.RequireRdma": "no"},
+                                           Registry(), "y"))
+    try:
+        me = t.describe()
+        assert isinstance(me["address"], bytes) and me["rdma"] == []
+        assert t.check_peer(me) is None  # same host: UCX uses shared memory or loopback
+        other = {**me, "host": "elsewhere/boot"}
+        assert "no RDMA transport on either side" in (t.check_peer(other) or "")
+        assert forced.check_peer(other) is None
+        t.rdma = ["rc_mlx5/mlx5_0:1"]
+        assert t.check_peer({**other, "rdma": ["rc_verbs/mlx5_1:1"]}) is None
+        assert "the peer" in (t.check_peer(other) or "")
+        assert t.check_peer({"address": b""}) is not None
+    finally:
+        await t.close()
+        await forced.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [*TLS_PARAMS, pytest.param("self,sm,cma", id="self-sm-cma")])
+async def test_conformance(tls: str) -> None:
+    await check_transport("ucx", options={"kvflow.ucx.TLS": tls}, timeout=120)
+
+
+@pytest.mark.parametrize("tls", TLS_PARAMS)
+def test_conformance_with_ucx_tls_in_the_environment(tls: str) -> None:
+    """The same suite in a fresh interpreter whose environment has UCX_TLS set (no options)."""
+    code = textwrap.dedent("""
+        import asyncio
+        from kvflow.testing import check_transport
+        asyncio.run(check_transport("ucx", timeout=120))
+        print("conformance ok")
+    """)
+    env = {**os.environ, "UCX_TLS": tls}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "conformance ok" in out.stdout
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls,lane", [("tcp", "tcp/"), ("sm", "cma/")])
+async def test_lanes_follow_ucx_tls(tls: str, lane: str) -> None:
+    opts = _opts(tls)
+    async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
+            LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
+        assert a.listen_address is not None
+        assert await b.link_llm_clusters([ClusterInfo(1, [IpInfo(*a.listen_address)])], 5000) == [0]
+        desc = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=[4, 65536])
+        src = [np.arange(desc.tensor_bytes, dtype=np.uint64).astype(np.uint8)]
+        dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8)]
+        ca = await a.register_kv_cache(desc, src)
+        cb = await b.register_kv_cache(desc, dst)
+        await b.pull_kv_blocks(CacheIndex(1, ca.cache_id), cb, [0, 1, 2, 3], [0, 1, 2, 3])
+        assert np.array_equal(src[0], dst[0])
+        info = b._links[1].endpoint.info()  # type: ignore[union-attr]
+        assert lane in info, info
+
+
+@pytest.mark.asyncio
+async def test_device_placement_goes_through_the_same_registration() -> None:
+    """Placement.DEVICE caches are ucp_mem_map'ed with the memory type left to UCX's detection.
+
+    No GPU here: host memory declared DEVICE exercises the path; real device memory is unverified."""
+    opts = _opts("sm")
+    async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
+            LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
+        assert a.listen_address is not None
+        assert await b.link_llm_clusters([ClusterInfo(1, [IpInfo(*a.listen_address)])], 5000) == [0]
+        desc = CacheDesc(2, DataType.DT_UINT8, [8, 4096], placement=Placement.DEVICE)
+        src = [np.random.default_rng(t).integers(0, 256, desc.tensor_bytes, dtype=np.uint8) for t in range(2)]
+        dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        ca = await a.register_kv_cache(desc, [int(x.ctypes.data) for x in src])
+        cb = await b.register_kv_cache(desc, [int(x.ctypes.data) for x in dst])
+        await b.pull_kv_blocks(CacheIndex(1, ca.cache_id), cb, list(range(8)), list(range(8))[::-1])
+        for s, d in zip(src, dst):
+            assert np.array_equal(s.reshape(8, -1)[::-1], d.reshape(8, -1))
+        await b.unregister_kv_cache(cb.cache_id)
+        await a.unregister_kv_cache(ca.cache_id)
+
+
+async def _start_peer(tls: str, shape: list[int], tensors: int = 4, **extra: str) -> tuple[PeerProcess, dict]:
+    peer = PeerProcess(datadist_peer)
+    peer.send({"tensors": tensors, "shape": shape,
+               "options": {**_opts(tls, **extra), "llm.ListenIpInfo": "127.0.0.1:0"}})
+    try:
+        return peer, await peer.recv(60)
+    except BaseException:
+        peer.stop()
+        raise
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", TLS_PARAMS)
+async def test_peer_killed_mid_transfer_fails_within_the_deadline(tls: str) -> None:
+    deadline_ms = 3000
+    extra = {"llm.SyncKvCacheWaitTime": str(deadline_ms)}
+    shape = [64, 256 << 10]  # 4 tensors x 16 MiB
+    peer, info = await _start_peer(tls, shape, **extra)
+    try:
+        async with asyncio.timeout(60):
+            async with LlmDataDist(2, LlmRole.DECODER, options=_opts(tls, **extra)) as dd:
+                assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", info["port"])])],
+                                                  5000) == [0]
+                desc = CacheDesc(4, DataType.DT_UINT8, shape)
+                cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(4)])
+                ci = CacheIndex(1, info["cache_id"])
+                blocks = list(range(shape[0]))
+                await dd.pull_kv_blocks(ci, cache, blocks, blocks[::-1])  # wired up and working
+                endpoint = dd._links[1].endpoint
+
+                async def pull_forever() -> None:
+                    while True:
+                        await dd.pull_kv_blocks(ci, cache, blocks, blocks[::-1])
+
+                task = asyncio.ensure_future(pull_forever())
+                for _ in range(10_000):  # kill while a batch is in flight
+                    await asyncio.sleep(0)
+                    if endpoint._inflight:  # type: ignore[union-attr]
+                        break
+                assert endpoint._inflight, "no transfer was in flight"  # type: ignore[union-attr]
+                loop = asyncio.get_running_loop()
+                os.kill(peer.pid, signal.SIGKILL)
+                killed = loop.time()
+                with pytest.raises(LLMException) as err:
+                    await asyncio.wait_for(task, deadline_ms / 1000 + 5)
+                elapsed = loop.time() - killed
+                print(f"\n[{tls}] peer killed mid-transfer: {type(err.value).__name__} after "
+                      f"{elapsed * 1000:.0f} ms: {err.value}")
+                assert isinstance(err.value, (LLMLinkFailed, LLMTimeoutError))
+                assert elapsed < deadline_ms / 1000 + 0.5
+                with pytest.raises(LLMException):  # later calls fail at once, typed; nothing hangs
+                    await asyncio.wait_for(dd.pull_kv_blocks(ci, cache, [0], [0]), 2)
+    finally:
+        peer.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", TLS_PARAMS)
+async def test_idle_linked_pair_uses_no_cpu(tls: str) -> None:
+    """Linked, wired up, then idle for a few seconds: both processes sleep (no UCX polling)."""
+    peer, info = await _start_peer(tls, [16, 65536], tensors=2)
+    try:
+        async with asyncio.timeout(60):
+            async with LlmDataDist(2, LlmRole.DECODER, options=_opts(tls)) as dd:
+                assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", info["port"])])],
+                                                  5000) == [0]
+                desc = CacheDesc(2, DataType.DT_UINT8, [16, 65536])
+                cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(2)])
+                await dd.pull_kv_blocks(CacheIndex(1, info["cache_id"]), cache, list(range(16)), list(range(16)))
+                transport = dd._transports["ucx"]
+                await asyncio.sleep(0.5)
+                wake0 = transport._progress.wakeups  # type: ignore[attr-defined]
+                me0, peer0, t0 = time.process_time(), proc_cpu_seconds(peer.pid), time.monotonic()
+                await asyncio.sleep(3.0)
+                wall = time.monotonic() - t0
+                me = (time.process_time() - me0) / wall
+                other = (proc_cpu_seconds(peer.pid) - peer0) / wall
+                wakeups = transport._progress.wakeups - wake0  # type: ignore[attr-defined]
+                print(f"\n[{tls}] idle linked pair over {wall:.1f} s: this process {me * 100:.2f}% CPU, "
+                      f"peer {other * 100:.2f}% CPU, UCX event-fd wakeups {wakeups}")
+                assert me < 0.03 and other < 0.03
+                assert wakeups <= 3
+    finally:
+        peer.stop()
