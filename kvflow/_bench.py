@@ -103,7 +103,7 @@ async def _serve(conn: Connection) -> None:
         ids = {name: (await dd.register_kv_cache(desc, [buf])).cache_id for name, desc in _caches(total)}
         servers[t] = dd
         conn.send({"transport": t, "address": dd.listen_address, "caches": ids})
-    conn.send({"raw_port": lsock.getsockname()[1], "pid": os.getpid()})
+    conn.send({"raw_port": lsock.getsockname()[1], "pid": os.getpid(), "addr": int(buf.ctypes.data)})
     await recv_from_parent(conn)
     for dd in servers.values():
         await dd.finalize()
@@ -166,7 +166,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
         baselines = {"tcp": ("raw socket", _RawSocket(raw, rawbuf, repeat))}
         for info in infos:
             t = info["transport"]
-            base_name, base = baselines.get(t) or _plugin_baseline(t, meta["pid"], buf, repeat)
+            base_name, base = baselines.get(t) or _plugin_baseline(t, meta["pid"], meta["addr"], buf, repeat)
             dd = LlmDataDist(2, LlmRole.DECODER)
             await dd.initialize({"kvflow.Transports": t})
             locals_ = {name: await dd.register_kv_cache(desc, [buf]) for name, desc in _caches(total)}
@@ -227,14 +227,15 @@ class _RawSocket:
         return out
 
 
-def _plugin_baseline(name: str, pid: int, buf: np.ndarray, repeat: int) -> tuple[str, Any]:
-    """A transport plugin's own raw baseline (``<module>.bench.baseline(pid, buf, repeat)``)."""
+def _plugin_baseline(name: str, pid: int, remote_addr: int, buf: np.ndarray, repeat: int) -> tuple[str, Any]:
+    """A transport plugin's own raw baseline: ``<module>.bench.baseline(pid, buf, repeat, remote_addr=)``,
+    an object with ``throughput(nbytes, block, op)`` (GiB/s) and ``latency(iters)`` (seconds per call)."""
     from importlib import import_module
 
     from .transport import load_transport
 
     mod = import_module(load_transport(name).__module__.split(".")[0] + ".bench")
-    return mod.BASELINE_NAME, mod.baseline(pid, buf, repeat)
+    return mod.BASELINE_NAME, mod.baseline(pid, buf, repeat, remote_addr=remote_addr)
 
 
 def format_rows(rows: list[Row]) -> list[list[str]]:

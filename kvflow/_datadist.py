@@ -224,7 +224,7 @@ class LlmDataDist:
         assert self._loop is not None
         deadline = self._loop.time() + timeout
         try:
-            notes = [link.request({"op": "gone", "cache_id": cache_id}, timeout)
+            notes = [link.request({"op": "gone", "cache_id": cache_id, "ms": int(timeout * 1000)}, timeout)
                      for link in self._links.values() if link.healthy]
             if notes:
                 results = await asyncio.gather(*notes, return_exceptions=True)
@@ -686,8 +686,10 @@ class LlmDataDist:
             return {"cache": describe_local(local, link.transport)}
         if op == "gone":
             remote = link.forget(wire.field(msg, "cache_id", int))
+            budget = msg.get("ms")
+            budget_s = budget / 1000 if isinstance(budget, int) and 0 < budget <= 3_600_000 else 1.0
             if remote is not None:
-                await link.drain_remote(remote, self._opts.sync_wait_ms / 1000)
+                await link.drain_remote(remote, budget_s)
             return {}
         if op == "bye":
             link.closing = True
@@ -799,14 +801,14 @@ class LlmDataDist:
                 else:
                     batch = RunBatch(p.src_addr, p.dst_addr, p.length, p.src_tensor, p.dst_tensor, local, remote)
                 endpoint = link.check()
-                remote.inflight += 1
+                remote.begin()
                 try:
                     if direction == _PULL:
                         await endpoint.read(batch)
                     else:
                         await endpoint.write(batch)
                 finally:
-                    remote.inflight -= 1
+                    remote.end()
                 return link.transport, batch
         except TIMEOUT_ERRORS as exc:
             if isinstance(exc, LLMException):
@@ -878,11 +880,11 @@ class LlmDataDist:
         local.pin()
         try:
             async with timeout_after(timeout):
-                remote.inflight += 1
+                remote.begin()
                 try:
                     await endpoint.write(batch)
                 finally:
-                    remote.inflight -= 1
+                    remote.end()
         except TIMEOUT_ERRORS as exc:
             if isinstance(exc, LLMException):
                 raise
@@ -897,7 +899,7 @@ class LlmDataDist:
 
 # ---------------------------------------------------------------------- helpers
 def _addrs(local: LocalCache) -> np.ndarray:
-    return np.fromiter((r.addr for r in local.regions), dtype=np.uint64, count=len(local.regions))
+    return local.addrs
 
 
 def _blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,

@@ -301,11 +301,32 @@ class Link:
     def forget(self, cache_id: int) -> RemoteCache | None:
         return self.remotes.pop(cache_id, None)
 
-    async def drain_remote(self, remote: RemoteCache, timeout: float) -> None:
-        """Wait until no operation of ours uses ``remote`` (bounded)."""
-        deadline = self._loop.time() + timeout
-        while remote.inflight and self._loop.time() < deadline:
-            await asyncio.sleep(0.001)
+    async def drain_remote(self, remote: RemoteCache, budget: float) -> None:
+        """Return once no operation of ours can touch ``remote``'s memory, within ``budget`` seconds.
+
+        The peer is about to free that memory. Our operations get most of the budget to finish;
+        then the endpoint is aborted (a one-sided copy stops within one bounded chunk) and we wait
+        for them to unwind before answering."""
+        if not remote.inflight:
+            return
+        remote.idle = asyncio.Event()
+        try:
+            async with timeout_after(budget * 0.7):
+                await remote.idle.wait()
+            return
+        except TIMEOUT_ERRORS:
+            pass
+        log.warning("peer cluster %d unregisters cache %d while %d transfer(s) use it: aborting them",
+                    self.remote_cluster_id, remote.cache_id, remote.inflight)
+        if self.endpoint is not None:
+            self.endpoint.abort(LLMKvCacheNotExist(
+                f"cache {remote.cache_id} was unregistered on cluster {self.remote_cluster_id} during the transfer"))
+        try:
+            async with timeout_after(budget * 0.25):
+                await remote.idle.wait()
+        except TIMEOUT_ERRORS:
+            log.error("transfers on cache %d of cluster %d did not stop after abort", remote.cache_id,
+                      self.remote_cluster_id)
 
     # ------------------------------------------------------------------ teardown
     def mark_broken(self, exc: BaseException) -> None:

@@ -87,6 +87,7 @@ class LocalCache:
 
     cache: Cache
     regions: list[Region]
+    addrs: np.ndarray = field(init=False)  # start address of each tensor, in tensor order
     starts: np.ndarray = field(init=False)
     sizes: np.ndarray = field(init=False)
     order: np.ndarray = field(init=False)
@@ -98,6 +99,8 @@ class LocalCache:
 
     def __post_init__(self) -> None:
         addrs = np.array([r.addr for r in self.regions], dtype=np.uint64)
+        self.addrs = addrs
+        self.addrs.flags.writeable = False
         self.order = np.argsort(addrs, kind="stable")
         self.starts = addrs[self.order]
         self.sizes = np.array([r.nbytes for r in self.regions], dtype=np.uint64)[self.order]

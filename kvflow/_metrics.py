@@ -172,8 +172,8 @@ class Metrics:
         if s is None:
             s = self.series[key] = OpStats()
         lengths = batch.lengths
-        runs = lengths.size
-        nbytes = int(lengths[0]) if runs == 1 else int(lengths.sum())  # numpy's sum costs ~1 us
+        runs = len(lengths)
+        nbytes = lengths.item(0) if runs == 1 else int(lengths.sum())  # numpy's sum costs ~1 us
         s.transfers += 1
         s.bytes += nbytes
         s.runs += runs

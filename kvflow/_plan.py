@@ -8,6 +8,7 @@ every index and size is checked here, before a byte moves.
 from __future__ import annotations
 
 import operator
+from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -18,6 +19,8 @@ from ._types import CacheDesc, KvCacheExtParam, LayerRange
 
 def layer_tensors(rng: LayerRange, num_tensors: int, per_layer: int, what: str) -> np.ndarray:
     """Tensor indices of an inclusive ``(first, last)`` layer range or a ``range``; (-1, -1) = all."""
+    if rng == (-1, -1):
+        return _all_tensors(num_tensors)
     if isinstance(rng, range):
         if rng.step != 1 or len(rng) == 0:
             raise LLMParamInvalid(f"{what}: a range must be non-empty with step 1, got {rng!r}")
@@ -39,6 +42,13 @@ def layer_tensors(rng: LayerRange, num_tensors: int, per_layer: int, what: str) 
     if not 0 <= first <= last < layers:
         raise LLMParamInvalid(f"{what}: layers {first}..{last} are outside 0..{layers - 1}")
     return np.arange(first * per_layer, (last + 1) * per_layer, dtype=np.int64)
+
+
+@lru_cache(maxsize=256)
+def _all_tensors(num_tensors: int) -> np.ndarray:
+    out = np.arange(num_tensors, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def tensor_pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple[np.ndarray, np.ndarray]:
@@ -156,11 +166,8 @@ class Plan:
                 st.append(ts)
                 dt.append(td)
         plan = cls.__new__(cls)
-        plan.src_addr = np.array(sa, dtype=np.uint64)
-        plan.dst_addr = np.array(da, dtype=np.uint64)
-        plan.length = np.array(ln, dtype=np.uint64)
-        plan.src_tensor = np.array(st, dtype=np.int64)
-        plan.dst_tensor = np.array(dt, dtype=np.int64)
+        plan.src_addr, plan.dst_addr, plan.length = np.array((sa, da, ln), dtype=np.uint64)
+        plan.src_tensor, plan.dst_tensor = np.array((st, dt), dtype=np.int64)
         return plan
 
 

@@ -34,8 +34,10 @@ Rules every transport keeps (``kvflow.testing.check_transport`` checks them):
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
 
@@ -82,11 +84,23 @@ class RemoteCache:
     cache_id: int
     desc: CacheDesc
     regions: tuple[RemoteRegion, ...]
-    inflight: int = 0
+    inflight: int = 0  # our operations using it; see begin() / end()
     cache: dict[str, Any] = field(default_factory=dict)  # per-transport state (e.g. unpacked rkeys)
+    idle: asyncio.Event | None = None
 
-    @property
+    def begin(self) -> None:
+        """An operation of ours starts using this cache's memory."""
+        self.inflight += 1
+
+    def end(self) -> None:
+        """That operation can no longer touch the peer's memory."""
+        self.inflight -= 1
+        if self.inflight == 0 and self.idle is not None:
+            self.idle.set()
+
+    @cached_property
     def addrs(self) -> np.ndarray:
+        """Start address of each tensor, as uint64."""
         return np.fromiter((r.addr for r in self.regions), dtype=np.uint64, count=len(self.regions))
 
 

@@ -126,7 +126,8 @@ class _Suite:
         want = dst.snapshot()
 
         async def pull(sb: np.ndarray, db: np.ndarray, what: str) -> None:
-            await self.b.pull_kv_blocks(ci, self.handle(dst), sb.tolist(), db.tolist(), timeout_in_millis=_OP_MS)
+            await self.b.pull_kv_blocks(ci, self.handle(dst), sb.tolist(), db.tolist(),
+                                        timeout_in_millis=_OP_MS)
             for t in range(4):
                 want[t].reshape(nb, -1)[db] = src.blocks(t)[sb]
             _same(dst.tensors, want, what)
@@ -147,8 +148,8 @@ class _Suite:
         # a pushes into b too: roles restrict nothing, either side may initiate
         src.randomize(self.rng)
         want = dst.snapshot()
-        await self.a.push_kv_blocks(self.handle(src), CacheIndex(self.b.cluster_id, dst_id), [1, 2, 3], [9, 8, 7],
-                                    timeout_in_millis=_OP_MS)
+        await self.a.push_kv_blocks(self.handle(src), CacheIndex(self.b.cluster_id, dst_id), [1, 2, 3],
+                                    [9, 8, 7], timeout_in_millis=_OP_MS)
         for t in range(4):
             want[t].reshape(nb, -1)[[9, 8, 7]] = src.blocks(t)[[1, 2, 3]]
         _same(dst.tensors, want, "push_kv_blocks from the accepting side")

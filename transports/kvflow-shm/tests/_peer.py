@@ -22,7 +22,7 @@ def serve(conn: Connection, nbytes: int, seed: int) -> None:
 
     Commands: ("bytes",) -> buffer contents; ("fill", value); ("read", pid, addr, n) -> bytes read
     from another process (or the exception); ("setuid", uid); ("exit",)."""
-    from kvflow._status import LLMException
+    from kvflow import LLMException
 
     from kvflow_shm import _lowlevel as ll
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _peer import PAGE, addr_of
 from conftest import Peer, requires_cma
-from kvflow._status import LLMKvCacheNotExist, LLMLinkFailed, LLMParamInvalid
+from kvflow import LLMKvCacheNotExist, LLMLinkFailed, LLMParamInvalid
 
 from kvflow_shm import _lowlevel as ll
 

@@ -30,8 +30,10 @@ def test_versions_and_status_mapping() -> None:
 
 
 def test_bad_ucx_setting_is_a_typed_error() -> None:
-    with pytest.raises(LLMParamInvalid, match="UCS_ERR_INVALID_PARAM"):
-        ll.Worker({"NO_SUCH_UCX_VARIABLE": "1"})
+    lib = tuple(int(x) for x in ll.versions()["library"].split(".")[:2])
+    if lib >= (1, 20):  # older UCX (Debian's 1.13) only warns about an unknown variable
+        with pytest.raises(LLMParamInvalid, match="UCS_ERR_INVALID_PARAM"):
+            ll.Worker({"NO_SUCH_UCX_VARIABLE": "1"})
     with pytest.raises(LLMException, match="UCS_ERR_"):
         ll.Worker({"TLS": "no_such_transport"})
 
@@ -99,7 +101,8 @@ def test_two_processes_get_and_put(tls: str) -> None:
         remote = np.frombuffer(peer.recv(), dtype=np.uint8)
         assert np.array_equal(local.reshape(n, block)[lo], remote.reshape(n, block)[ro])
         lanes = ep.info()
-        assert ("tcp/" in lanes) if tls == "tcp" else ("cma/" in lanes or "sysv/" in lanes or "posix/" in lanes)
+        want = ("tcp/",) if tls == "tcp" else ("cma/", "sysv/", "posix/")
+        assert any(w in lanes for w in want), lanes
 
         local[:] = np.random.default_rng(6).integers(0, 256, nbytes, dtype=np.uint8)
         op = w.new_op()

@@ -26,15 +26,22 @@ from kvflow import (
     LLMTimeoutError,
     Placement,
 )
+from kvflow._compat import timeout as timeout_after
 from kvflow._proc import PeerProcess
 from kvflow.testing import check_transport
 from kvflow.transport import available_transports, load_transport
 from ucx_testlib import TLS_PARAMS, datadist_peer, proc_cpu_seconds, requires_ucx
 
 from kvflow_ucx import UcxTransport
+from kvflow_ucx import _lowlevel as ll
 from kvflow_ucx._transport import _ucx_config
 
 pytestmark = requires_ucx
+
+
+def _lib_version() -> tuple[int, int]:
+    major, minor = ll.versions()["library"].split(".")[:2]
+    return int(major), int(minor)
 
 
 def _opts(tls: str, **extra: str) -> dict[str, str]:
@@ -49,16 +56,22 @@ def test_found_by_name() -> None:
 def test_options(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_MM_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"):
         monkeypatch.delenv(var, raising=False)
-    cfg, own = _ucx_config({"kvflow.ucx.TLS": "tcp", "kvflow.ucx.UCX_NET_DEVICES": "lo",
-                            "kvflow.ucx.RequireRdma": "0", "kvflow.other.X": "1"})
-    assert cfg["TLS"] == "tcp" and cfg["NET_DEVICES"] == "lo"
-    assert cfg["MM_ERROR_HANDLING"] == "y" and cfg["TCP_TX_SEG_SIZE"] == "256k"
+    cfg, own, defaults = _ucx_config({"kvflow.ucx.TLS": "tcp,sm", "kvflow.ucx.UCX_NET_DEVICES": "lo",
+                                      "kvflow.ucx.RequireRdma": "0", "kvflow.other.X": "1",
+                                      "kvflow.ucx.MM_ERROR_HANDLING": "n"})
+    assert cfg["TLS"] == "tcp,sm" and cfg["NET_DEVICES"] == "lo"
+    assert cfg["MM_ERROR_HANDLING"] == "n" and "MM_ERROR_HANDLING" not in defaults  # an option wins
+    if _lib_version() >= (1, 22):
+        assert cfg["TCP_TX_SEG_SIZE"] == "256k" and "TCP_TX_SEG_SIZE" in defaults
     assert own == {"RequireRdma": "no"}
+    cfg, _, _ = _ucx_config({"kvflow.ucx.TLS": "tcp"})
+    assert "MM_ERROR_HANDLING" not in cfg  # not for a transport UCX_TLS leaves out
+    assert "MM_ERROR_HANDLING" in _ucx_config({"kvflow.ucx.TLS": "^tcp"})[0]
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64k")
     monkeypatch.setenv("UCX_POSIX_ERROR_HANDLING", "n")
-    cfg, _ = _ucx_config({})
+    cfg, _, _ = _ucx_config({})
     assert "TCP_TX_SEG_SIZE" not in cfg and "MM_ERROR_HANDLING" not in cfg  # the environment wins
-    with pytest.raises(LLMParamInvalid, match="kvflow.ucx.tls"):
+    with pytest.raises(LLMParamInvalid, match=r"kvflow\.ucx\.tls"):
         _ucx_config({"kvflow.ucx.tls": "tcp"})
     with pytest.raises(LLMParamInvalid, match="RequireRdma"):
         _ucx_config({"kvflow.ucx.RequireRdma": "maybe"})
@@ -112,6 +125,8 @@ def test_conformance_with_ucx_tls_in_the_environment(tls: str) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("tls,lane", [("tcp", "tcp/"), ("sm", "cma/")])
 async def test_lanes_follow_ucx_tls(tls: str, lane: str) -> None:
+    if lane == "cma/" and _lib_version() < (1, 22):  # older UCX: no CMA RMA in peer-error mode
+        lane = "sysv/"
     opts = _opts(tls)
     async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
             LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
@@ -169,12 +184,13 @@ async def test_peer_killed_mid_transfer_fails_within_the_deadline(tls: str) -> N
     shape = [64, 256 << 10]  # 4 tensors x 16 MiB
     peer, info = await _start_peer(tls, shape, **extra)
     try:
-        async with asyncio.timeout(60):
+        async with timeout_after(60):
             async with LlmDataDist(2, LlmRole.DECODER, options=_opts(tls, **extra)) as dd:
                 assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", info["port"])])],
                                                   5000) == [0]
                 desc = CacheDesc(4, DataType.DT_UINT8, shape)
-                cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(4)])
+                zeros = [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(4)]
+                cache = await dd.register_kv_cache(desc, zeros)
                 ci = CacheIndex(1, info["cache_id"])
                 blocks = list(range(shape[0]))
                 await dd.pull_kv_blocks(ci, cache, blocks, blocks[::-1])  # wired up and working
@@ -212,13 +228,15 @@ async def test_idle_linked_pair_uses_no_cpu(tls: str) -> None:
     """Linked, wired up, then idle for a few seconds: both processes sleep (no UCX polling)."""
     peer, info = await _start_peer(tls, [16, 65536], tensors=2)
     try:
-        async with asyncio.timeout(60):
+        async with timeout_after(60):
             async with LlmDataDist(2, LlmRole.DECODER, options=_opts(tls)) as dd:
                 assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", info["port"])])],
                                                   5000) == [0]
                 desc = CacheDesc(2, DataType.DT_UINT8, [16, 65536])
-                cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(2)])
-                await dd.pull_kv_blocks(CacheIndex(1, info["cache_id"]), cache, list(range(16)), list(range(16)))
+                zeros = [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(2)]
+                cache = await dd.register_kv_cache(desc, zeros)
+                every = list(range(16))
+                await dd.pull_kv_blocks(CacheIndex(1, info["cache_id"]), cache, every, every)
                 transport = dd._transports["ucx"]
                 await asyncio.sleep(0.5)
                 wake0 = transport._progress.wakeups  # type: ignore[attr-defined]

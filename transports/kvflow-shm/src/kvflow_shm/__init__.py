@@ -24,8 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from kvflow._status import LLMException, LLMLinkFailed, LLMParamInvalid
-from kvflow._types import Placement
+from kvflow import LLMException, LLMLinkFailed, LLMParamInvalid, Placement
 from kvflow.transport import (
     Endpoint,
     LinkChannel,
@@ -197,7 +196,7 @@ class ShmEndpoint(Endpoint):
             if not all(f.done() for f in futs):  # one part failed: stop the others first
                 stop.set()
                 await _settle(futs)
-            errors = [f.exception() for f in futs if f.exception() is not None]
+            errors = [e for f in futs if not f.cancelled() and (e := f.exception()) is not None]
             if errors:
                 raise next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0])
         except asyncio.CancelledError:

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from kvflow._status import (
+from kvflow import (
     LLMException,
     LLMFailed,
     LLMKvCacheNotExist,

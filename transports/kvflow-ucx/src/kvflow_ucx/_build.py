@@ -75,6 +75,7 @@ static const int KVF_MEM_HOST;
 static const int KVF_MEM_AUTO;
 
 const char *kvf_status_string(int status);
+const char *kvf_origin(void);
 void kvf_versions(unsigned *hdr_major, unsigned *hdr_minor,
                   unsigned *lib_major, unsigned *lib_minor, unsigned *lib_release);
 void kvf_free(void *p);
@@ -172,6 +173,12 @@ static void kvf_push(kvf_worker *w, uint64_t id, int kind, ucs_status_t status)
 }
 
 const char *kvf_status_string(int status) { return ucs_status_string((ucs_status_t)status); }
+
+/* Where the UCX built against came from ("wheel": libucx-cu12; else the prefix). The marker
+ * string lets the package decide, before loading this module, whether to preload the wheel. */
+static const char kvf_origin_marker[] __attribute__((used)) = "KVFLOW_UCX_ORIGIN=" KVF_ORIGIN;
+
+const char *kvf_origin(void) { return kvf_origin_marker + sizeof("KVFLOW_UCX_ORIGIN=") - 1; }
 
 void kvf_free(void *p) { free(p); }
 
@@ -598,15 +605,16 @@ def _lib_dir(prefix: str) -> str:
     raise RuntimeError(f"KVFLOW_UCX_PREFIX={prefix}: no libucp.so in {', '.join(cands)}")
 
 
-def _locate() -> tuple[str, str, list[str]]:
-    """(include dir, library dir, run paths) of the UCX to build against."""
+def _locate() -> tuple[str, str, list[str], str]:
+    """(include dir, library dir, run paths, origin) of the UCX to build against; origin is
+    ``wheel`` or the prefix."""
     prefix = os.environ.get("KVFLOW_UCX_PREFIX")
     if prefix:
         inc = os.path.join(prefix, "include")
         if not os.path.exists(os.path.join(inc, "ucp", "api", "ucp.h")):
             raise RuntimeError(f"KVFLOW_UCX_PREFIX={prefix}: no include/ucp/api/ucp.h")
         lib = _lib_dir(prefix)
-        return inc, lib, [lib]
+        return inc, lib, [lib], os.path.abspath(prefix)
     try:
         import libucx
     except ImportError as exc:
@@ -615,12 +623,14 @@ def _locate() -> tuple[str, str, list[str]]:
             "or set KVFLOW_UCX_PREFIX to a UCX install prefix"
         ) from exc
     root = os.path.dirname(libucx.__file__)
-    return os.path.join(root, "include"), os.path.join(root, "lib"), ["$ORIGIN/../libucx/lib"]
+    return os.path.join(root, "include"), os.path.join(root, "lib"), ["$ORIGIN/../libucx/lib"], "wheel"
 
 
 def make_ffi() -> FFI:
     """The FFI builder for ``kvflow_ucx._native``."""
-    inc, lib, rpath = _locate()
+    inc, lib, rpath, origin = _locate()
+    if '"' in origin or "\\" in origin:
+        raise RuntimeError(f"KVFLOW_UCX_PREFIX={origin!r}: quotes and backslashes are not supported")
     ffi = FFI()
     ffi.cdef(CDEF)
     ffi.set_source(
@@ -629,6 +639,7 @@ def make_ffi() -> FFI:
         include_dirs=[inc],
         library_dirs=[lib],
         libraries=["ucp", "uct", "ucs"],
+        define_macros=[("KVF_ORIGIN", f'"{origin}"')],
         extra_link_args=[f"-Wl,-rpath,{p}" for p in rpath] + ["-Wl,--disable-new-dtags"],
         extra_compile_args=["-O2", "-std=gnu99", "-Wall"],
     )

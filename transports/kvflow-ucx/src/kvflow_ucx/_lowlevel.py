@@ -10,6 +10,7 @@ worker, and :meth:`Worker.events` drains them after :meth:`Worker.progress`.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -43,8 +44,34 @@ _native: Any = None
 _load_error: str | None = None
 
 
+def _built_against_wheel() -> bool:
+    """Whether the extension was built against the libucx wheel (its marker string says so)."""
+    spec = importlib.util.find_spec(f"{__package__}._native")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        with open(spec.origin, "rb") as f:
+            return b"KVFLOW_UCX_ORIGIN=wheel\0" in f.read()
+    except OSError:
+        return False
+
+
+def _preload_wheel() -> bool:
+    try:
+        import libucx
+    except ImportError:
+        return False
+    libucx.load_library()
+    return True
+
+
 def _import_native() -> Any:
-    """Import the extension, preloading the libucx wheel's libraries if the run path fails."""
+    """Import the extension. Built against the libucx wheel, the wheel's libraries are loaded
+    first (as ucxx does), so that a system libucp.so.0 on the default path is never picked."""
+    wheel = _built_against_wheel()
+    if wheel and not _preload_wheel():
+        raise ImportError("kvflow-ucx was built against libucx-cu12, which is not installed "
+                          "(pip install libucx-cu12, or rebuild with KVFLOW_UCX_PREFIX)")
     try:
         from . import _native as mod
     except ModuleNotFoundError as exc:
@@ -54,16 +81,9 @@ def _import_native() -> Any:
                 "(pip install ./transports/kvflow-ucx, or python src/kvflow_ucx/_build.py)"
             ) from exc
         raise
-    except ImportError as first:  # libucp.so.0 not on the run path (editable install)
-        try:
-            import libucx
-        except ImportError:
-            raise ImportError(
-                f"cannot load UCX ({first}); pip install libucx-cu12, or rebuild kvflow-ucx with "
-                "KVFLOW_UCX_PREFIX set to a UCX install"
-            ) from first
-        libucx.load_library()
-        from . import _native as mod
+    except ImportError as exc:
+        raise ImportError(f"cannot load UCX: {exc}; rebuild kvflow-ucx, or fix KVFLOW_UCX_PREFIX's "
+                          "library path") from exc
     return mod
 
 
@@ -166,11 +186,13 @@ def _check(status: int, what: str) -> None:
 
 
 def versions() -> dict[str, str]:
-    """UCX versions: the headers built against and the library loaded."""
+    """UCX versions: the headers built against, the library loaded, and where the build's UCX came
+    from (``wheel`` for libucx-cu12, else the KVFLOW_UCX_PREFIX it was built with)."""
     mod = load()
     p = mod.ffi.new("unsigned[5]")
     mod.lib.kvf_versions(p + 0, p + 1, p + 2, p + 3, p + 4)
-    return {"headers": f"{p[0]}.{p[1]}", "library": f"{p[2]}.{p[3]}.{p[4]}"}
+    return {"headers": f"{p[0]}.{p[1]}", "library": f"{p[2]}.{p[3]}.{p[4]}",
+            "origin": mod.ffi.string(mod.lib.kvf_origin()).decode()}
 
 
 def _take_string(ptr: Any) -> str:

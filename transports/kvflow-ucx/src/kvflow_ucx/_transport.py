@@ -45,15 +45,39 @@ CANCEL_GRACE_S = 2.0
 WATCHDOG_S = 0.05
 #: UCX settings kvflow changes from UCX's defaults unless the environment (``UCX_<VAR>``) or an
 #: option sets them. Shared-memory transports offer peer error handling only with
-#: MM_ERROR_HANDLING, and CMA serves one-sided RMA in that mode only with CMA_MEMORY_INVALIDATE;
-#: UCX's TCP moves RMA in segments of TCP_*_SEG_SIZE (8 KiB by default, several times slower).
+#: MM_ERROR_HANDLING, and (UCX >= 1.22 here) CMA serves one-sided RMA in that mode only with
+#: CMA_MEMORY_INVALIDATE; UCX's TCP moves RMA in segments of TCP_*SEG_SIZE (8 KiB by default,
+#: several times slower than 256 KiB on loopback). Older UCX names the TCP segment size differently.
 UCX_DEFAULTS = {
     "MM_ERROR_HANDLING": "y",
     "CMA_MEMORY_INVALIDATE": "y",
     "TCP_TX_SEG_SIZE": "256k",
     "TCP_RX_SEG_SIZE": "256k",
 }
-_ENV_ALIASES = {"MM_ERROR_HANDLING": ("MM_ERROR_HANDLING", "POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING")}
+UCX_DEFAULTS_BEFORE_1_22 = {"MM_ERROR_HANDLING": "y"}
+_ENV_ALIASES = {
+    "MM_ERROR_HANDLING": ("MM_ERROR_HANDLING", "POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING"),
+    "TCP_TX_SEG_SIZE": ("TCP_TX_SEG_SIZE", "TCP_SEG_SIZE"),
+    "TCP_RX_SEG_SIZE": ("TCP_RX_SEG_SIZE", "TCP_SEG_SIZE"),
+}
+#: The UCX_TLS names that bring in the transport each default is for (a default for a transport
+#: that UCX_TLS leaves out is not set: UCX would warn that it is unused).
+_DEFAULT_FOR = {
+    "MM_ERROR_HANDLING": {"sm", "shm", "mm", "posix", "sysv"},
+    "CMA_MEMORY_INVALIDATE": {"sm", "shm", "cma"},
+    "TCP_TX_SEG_SIZE": {"tcp"},
+    "TCP_RX_SEG_SIZE": {"tcp"},
+}
+
+
+def _uses(tls: str, names: set[str]) -> bool:
+    """Whether a UCX_TLS value (``all``, ``tcp,sm``, ``^ud``...) may bring in one of ``names``."""
+    tokens = {t.strip() for t in tls.split(",") if t.strip()}
+    if not tokens or "all" in tokens:
+        return True
+    if any(t.startswith("^") for t in tokens):
+        return not {t.lstrip("^") for t in tokens} >= names
+    return bool(tokens & names)
 _OPTION_PREFIX = "kvflow.ucx."
 #: kvflow-ucx's own options (``kvflow.ucx.<Name>``); all-capital names are UCX variables.
 KNOWN_OPTIONS = {"RequireRdma": ("auto", "yes", "no")}
@@ -61,16 +85,23 @@ KNOWN_OPTIONS = {"RequireRdma": ("auto", "yes", "no")}
 RDMA_TLS = ("rc_", "dc_", "ud_", "rc/", "dc/", "ud/", "gga", "srd")
 
 
-def _ucx_config(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(UCX settings for one worker, kvflow-ucx options) from ``kvflow.ucx.*`` options and defaults.
+def _ucx_config(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """(UCX settings for one worker, kvflow-ucx options, the settings that are kvflow's defaults)
+    from ``kvflow.ucx.*`` options.
 
     ``kvflow.ucx.TLS=tcp`` sets UCX_TLS for this instance only; kvflow's defaults apply unless
     the environment or an option sets the variable."""
     cfg: dict[str, str] = {}
     own = {name: choices[0] for name, choices in KNOWN_OPTIONS.items()}
-    for key, value in UCX_DEFAULTS.items():
+    lib = tuple(int(x) for x in ll.versions()["library"].split(".")[:2])
+    tls = str(options.get(_OPTION_PREFIX + "TLS", options.get(_OPTION_PREFIX + "UCX_TLS",
+                                                                 os.environ.get("UCX_TLS", "all"))))
+    for key, value in (UCX_DEFAULTS if lib >= (1, 22) else UCX_DEFAULTS_BEFORE_1_22).items():
+        if not _uses(tls, _DEFAULT_FOR[key]):
+            continue
         if not any(f"UCX_{n}" in os.environ for n in _ENV_ALIASES.get(key, (key,))):
             cfg[key] = value
+    defaults = set(cfg)
     for key, value in options.items():
         if not key.startswith(_OPTION_PREFIX):
             continue
@@ -89,7 +120,8 @@ def _ucx_config(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, s
                 f"unknown option {key!r}: expected kvflow.ucx.<UCX variable without UCX_, e.g. TLS> "
                 f"or one of {', '.join('kvflow.ucx.' + k for k in KNOWN_OPTIONS)}")
         cfg[var] = str(value)
-    return cfg, own
+        defaults.discard(var)
+    return cfg, own, defaults
 
 
 def _host_id() -> str:
@@ -474,8 +506,16 @@ class UcxTransport(Transport):
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        self.config, self.settings = _ucx_config(ctx.options)
-        self._worker = ll.Worker(self.config)
+        self.config, self.settings, defaults = _ucx_config(ctx.options)
+        try:
+            self._worker = ll.Worker(self.config)
+        except LLMParamInvalid as exc:
+            if not defaults:
+                raise
+            log.warning("UCX refused kvflow's default settings (%s); using UCX's own: %s",
+                        ", ".join(sorted(defaults)), exc)
+            self.config = {k: v for k, v in self.config.items() if k not in defaults}
+            self._worker = ll.Worker(self.config)
         self.rdma = sorted(t for t in self._worker.transports() if t.startswith(RDMA_TLS))
         self._host = _host_id()
         self._progress: _Progress | None = None
