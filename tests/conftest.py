@@ -28,6 +28,9 @@ from kvflow._proc import PeerProcess
 from ._peer import PEER_CLUSTER, pattern, peer_main
 
 LOCAL_CLUSTER = 2
+# The API tests are not about liveness (tests/test_reliability.py is): a loaded 2-core CI machine can
+# starve a process for more than the default 2 s, so these links tolerate 10 s of silence.
+QUIET_HEARTBEAT = {"kvflow.HeartbeatTimeout": "10000"}
 
 
 def _api_transports() -> list[Any]:
@@ -68,7 +71,7 @@ class Peer:
 
 def start_peer(transport: str) -> Peer:
     proc = PeerProcess(peer_main)
-    proc.send({"kvflow.Transports": transport, "llm.SyncKvCacheWaitTime": "5000"})
+    proc.send({"kvflow.Transports": transport, "llm.SyncKvCacheWaitTime": "5000", **QUIET_HEARTBEAT})
     deadline = 30.0
     if not proc.conn.poll(deadline):
         proc.stop()
@@ -102,7 +105,8 @@ class Pair:
 
 async def make_local(peer: Peer, **options: str) -> LlmDataDist:
     dd = LlmDataDist(LOCAL_CLUSTER, LlmRole.DECODER)
-    await dd.initialize({"kvflow.Transports": peer.transport, "llm.SyncKvCacheWaitTime": "5000", **options})
+    await dd.initialize({"kvflow.Transports": peer.transport, "llm.SyncKvCacheWaitTime": "5000", **QUIET_HEARTBEAT,
+                         **options})
     return dd
 
 

@@ -15,6 +15,9 @@ from kvflow import CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam, LlmDataDist
 from kvflow import _metrics as metrics_impl
 from kvflow.testing import KvPair
 
+# heartbeats are not under test here: a loaded CI machine must not break the link mid-test
+PATIENT = {"kvflow.HeartbeatInterval": "1000", "kvflow.HeartbeatTimeout": "20000"}
+
 
 def _prometheus() -> Any:
     return pytest.importorskip("prometheus_client", reason="prometheus-client is not installed")
@@ -39,7 +42,7 @@ def _value(samples: dict[str, list[Any]], name: str, **labels: str) -> float:
 
 
 @pytest.mark.asyncio
-@pytest.mark.kvflow_pair(transport="tcp")
+@pytest.mark.kvflow_pair(transport="tcp", options=PATIENT)
 async def test_prometheus_counters_match_what_was_moved(kvflow_pair: KvPair) -> None:
     p, desc = kvflow_pair, kvflow_pair.desc
     registry = _prometheus().CollectorRegistry()
@@ -102,7 +105,7 @@ async def test_prometheus_counters_match_what_was_moved(kvflow_pair: KvPair) -> 
 
 
 @pytest.mark.asyncio
-@pytest.mark.kvflow_pair(transport="tcp")
+@pytest.mark.kvflow_pair(transport="tcp", options=PATIENT)
 async def test_link_down_and_layerwise_hook_are_exported(kvflow_pair: KvPair) -> None:
     registry = _prometheus().CollectorRegistry()
     kvflow.metrics.register_prometheus(registry)
@@ -167,7 +170,7 @@ def _fake_provider(spans: list[_Span]) -> Any:
 
 
 @pytest.mark.asyncio
-@pytest.mark.kvflow_pair(transport="tcp")
+@pytest.mark.kvflow_pair(transport="tcp", options=PATIENT)
 async def test_spans_when_a_tracer_provider_is_installed(kvflow_pair: KvPair,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     trace = pytest.importorskip("opentelemetry.trace")
@@ -198,7 +201,7 @@ async def test_tracing_is_a_no_op_without_opentelemetry(monkeypatch: pytest.Monk
 
 # ---------------------------------------------------------------------- logs
 @pytest.mark.asyncio
-@pytest.mark.kvflow_pair(transport="tcp")
+@pytest.mark.kvflow_pair(transport="tcp", options=PATIENT)
 async def test_structured_log_lines(kvflow_pair: KvPair, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="kvflow")
     p = kvflow_pair

@@ -78,9 +78,22 @@ async def test_a_stalled_link_times_out_then_recovers(kvflow_pair) -> None:
     with pytest.raises(TimeoutError):  # LLMTimeoutError is also a builtin TimeoutError
         await conn.fetch(kvflow_pair.remote, [1])
     kvflow_pair.proxy.resume()
-    assert await conn.fetch(kvflow_pair.remote, [1]) == [0]
+    conn.timeout_ms = 10_000
+    assert await conn.fetch(kvflow_pair.remote, [1]) == [0]  # the link survived the timeout
     errors = kvflow_pair.dd.stats()["ops"]["pull"]["errors"]
     assert errors == {"LLM_TIMEOUT": 1}
+
+
+@pytest.mark.asyncio
+async def test_a_dead_prefill_worker_fails_fast_and_typed(kvflow_pair) -> None:
+    conn = MyConnector(kvflow_pair.dd, kvflow_pair.cache, retries=0, timeout_ms=10_000)
+    kvflow_pair.kill_remote()  # SIGKILL: its sockets close, the link breaks
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(LLMException) as err:
+        await conn.fetch(kvflow_pair.remote, [0])
+    assert err.value.status_code in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK)
+    assert asyncio.get_running_loop().time() - t0 < 5.0  # not the 10 s deadline: the link broke at once
+    assert conn.free[0] == 0  # the connector gave its blocks back
 
 
 @pytest.mark.asyncio
