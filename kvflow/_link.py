@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvflow.link")
 
-MAX_SERVING = 64  # a peer's control requests answered at once; more are refused with LLM_LINK_BUSY
+MAX_SERVING = 64  # a peer's control requests still waiting on something; more are refused with LLM_LINK_BUSY
 MAX_WRITE_BUFFER = 32 << 20  # control bytes queued for a peer that does not read them: then the link breaks
 
 
@@ -206,6 +206,9 @@ class Link:
                     else:
                         self._serving += 1
                         self._spawn(self._answer(req_id, msg))
+                        # let it run before the next frame: a request answered at once (a lookup) never
+                        # counts against the bound, however many arrive together; only waiting ones do
+                        await asyncio.sleep(0)
                 else:
                     raise wire.ProtocolError(f"unexpected control frame {t!r}")
         except asyncio.CancelledError:
@@ -316,6 +319,10 @@ class Link:
             return
         except TIMEOUT_ERRORS:
             pass
+        if not getattr(self.endpoint, "one_sided", True):
+            # The peer itself moves the bytes of our operations (TCP): its unregister stops them on its
+            # side (pins, then typed errors). Aborting our endpoint would only break the whole link.
+            return
         log.warning("peer cluster %d unregisters cache %d while %d transfer(s) use it: aborting them",
                     self.remote_cluster_id, remote.cache_id, remote.inflight)
         if self.endpoint is not None:

@@ -300,10 +300,8 @@ class TcpChannel:
         q = self._sendq
         while q and budget > 0:
             out = q[0]
-            if out.idx < 0:
-                out.idx = 0
             bufs = out.bufs
-            i = out.idx
+            i = max(out.idx, 0)  # out.idx stays -1 until a byte of the frame is sent
             chunk = bufs[i : i + IOV_MAX]
             try:
                 n = sock.sendmsg(chunk)
@@ -587,39 +585,31 @@ class TcpChannel:
             self._teardown(self._closed)
 
     def revoke(self, local: LocalCache, exc: LLMException) -> None:
-        """``local`` is being unregistered and its deadline passed: stop every operation of this
-        channel on it now, so that none reads or writes its memory afterwards.
+        """``local`` is being unregistered and its deadline passed: stop every operation of the peer's
+        on it now, so that none reads or writes its memory afterwards.
 
-        Frames not yet started are answered (or failed) with ``exc``'s code; a peer's write that is
-        landing in it goes on into a discard buffer and is answered with that code. A frame already
-        partly sent from its memory cannot be taken back without desynchronising the stream: then
-        the data connection is closed and the link is marked broken."""
+        A response to the peer's read not yet started is replaced by an error (``exc``'s code); a
+        peer's write landing in it goes on into a discard buffer and is answered with that code. A
+        frame already partly sent from its memory (a response, or a write of ours whose caller gave
+        up) cannot be taken back without desynchronising the stream: then the data connection is
+        closed and the link is marked broken. Writes of ours whose callers still wait are left
+        alone: those are local transfers, which ``unregister_kv_cache`` reports."""
         if self._closed is not None:
             return
         code = int(exc.status_code)
         cut = False
-        for out in [o for o in self._sendq if o.pinned is local]:
-            if out.idx >= 0:
+        for out in self._sendq:
+            if out.pinned is not local:
+                continue
+            if out.rsp_req is not None:  # our response to the peer's read
+                if out.idx >= 0:
+                    cut = True
+                else:
+                    out.bufs = [HDR.pack(READ_RSP, 0, 0, 0, out.rsp_req, code, 0)]
+                    local.unpin(self)
+                    out.pinned = None
+            elif out.op is not None and out.op.abandoned and out.idx >= 0:
                 cut = True
-            elif out.rsp_req is not None:  # our response to the peer's read: answer with the error
-                out.bufs = [HDR.pack(READ_RSP, 0, 0, 0, out.rsp_req, code, 0)]
-                local.unpin(self)
-                out.pinned = None
-            elif out.op is not None:  # our own write, not started: never send it
-                op = out.op
-                if self._pending.get(op.req_id) is op:
-                    del self._pending[op.req_id]
-                self._sendq.remove(out)
-                self._dropped(out)
-                op.xfer.fail(exc)
-                self._retire(op)
-        for op in self._backlog:
-            if op.state == _OP_BACKLOG and op.out is not None and op.out.pinned is local:
-                op.state = _OP_DONE
-                self._backlog_dead += 1
-                self._dropped(op.out)
-                op.xfer.fail(exc)
-        self._compact()
         if self._payload_pin is local:  # the peer's write lands in it: discard the rest, answer with the error
             local.unpin(self)
             self._payload_pin = None
@@ -634,6 +624,10 @@ class TcpChannel:
 
 class TcpEndpoint(Endpoint):
     """The TCP data path of one link."""
+
+    #: The peer moves the bytes of our requests itself (two-sided): a peer unregistering a cache
+    #: stops our operations on it on its side, so the core need not abort this endpoint for it.
+    one_sided = False
 
     def __init__(self, channel: TcpChannel) -> None:
         self._ch = channel
@@ -653,7 +647,7 @@ class TcpEndpoint(Endpoint):
         await self._run(WRITE_REQ, batch)
 
     def abort(self, exc: BaseException) -> None:
-        self._ch.close(exc)
+        self._ch._fail(exc)  # in-flight operations fail with ``exc``; the link is told (once) it is broken
 
     async def close(self) -> None:
         self._ch.close()

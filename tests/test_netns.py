@@ -227,10 +227,11 @@ async def test_cable_cut_mid_transfer_then_restored(net: Net, peer: Any) -> None
             assert (dst[t][s:3 * s] == ref[s:3 * s]).all()
             assert (dst[t][3 * s:] == landed[t][3 * s:]).all()
 
-        # 3. cut an idle link: the heartbeat notices within its bound
+        # 3. cut an idle link: noticed within the heartbeat bound (sooner if the kernel reports the
+        # interface going away to a socket that sends a heartbeat meanwhile)
         net.cable(False)
-        took = await _broken_within(dd, 1.6)
-        assert took >= 0.8, took  # not before the peer could have been silent for the timeout
+        await _broken_within(dd, 1.6)
+        assert isinstance(dd._links[PEER].error, LLMException)
         net.cable(True)
         await _relink(dd, address, 10)
         await dd.pull_kv_blocks(src, cache, [7], [0])

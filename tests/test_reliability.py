@@ -742,13 +742,21 @@ async def test_control_request_flood_is_bounded(cleanup: list[Any]) -> None:
     srv, g, cache = await server(cleanup, d)
     addr = srv.listen_address
     assert addr is not None and g is not None
-    n = 3000
+    handle = srv._handle
 
-    def flood() -> list[dict[str, Any]]:
+    async def slow_or_not(link: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("op") == "slow":  # stands for a request that waits (a peer's unregister draining)
+            await asyncio.sleep(0.3)
+            return {}
+        return await handle(link, msg)
+
+    srv._handle = slow_or_not  # type: ignore[method-assign]
+
+    def flood(op: str, n: int) -> list[dict[str, Any]]:
         c = RawClient(addr)
         try:
             c.handshake(9, PEER)
-            c.send(b"".join(wire.pack({"t": "req", "id": i, "op": "cache", "cache_id": cache.cache_id})
+            c.send(b"".join(wire.pack({"t": "req", "id": i, "op": op, "cache_id": cache.cache_id})
                             for i in range(n)))
             answers = []
             while len(answers) < n:
@@ -759,13 +767,17 @@ async def test_control_request_flood_is_bounded(cleanup: list[Any]) -> None:
         finally:
             c.close()
 
-    answers = await asyncio.to_thread(flood)
+    # a burst of lookups (answered at once) is served whole, however large
+    answers = await asyncio.to_thread(flood, "cache", 3000)
+    assert sorted(a["id"] for a in answers) == list(range(3000))
+    assert all(a["code"] == 0 and a["cache"]["addrs"] == list(cache.tensor_addrs) for a in answers)
+    # requests that wait are bounded: the ones beyond MAX_SERVING are refused at once with LLM_LINK_BUSY
+    t0 = time.monotonic()
+    answers = await asyncio.to_thread(flood, "slow", 200)
     codes = [a["code"] for a in answers]
-    assert sorted(a["id"] for a in answers) == list(range(n))
-    assert set(codes) <= {0, LLMStatusCode.LLM_LINK_BUSY}, set(codes)
-    assert codes.count(LLMStatusCode.LLM_LINK_BUSY) > 0, "more than MAX_SERVING at once must be refused"
-    assert codes.count(0) >= link_mod.MAX_SERVING
-    assert all(a["cache"]["addrs"] == list(cache.tensor_addrs) for a in answers if a["code"] == 0)
+    assert codes.count(0) == link_mod.MAX_SERVING
+    assert codes.count(LLMStatusCode.LLM_LINK_BUSY) == 200 - link_mod.MAX_SERVING
+    assert time.monotonic() - t0 < 2.0
     await serves_a_real_client(srv, cache, g, cleanup)
 
 
@@ -1007,3 +1019,56 @@ async def test_hundreds_of_links_from_one_process(cleanup: list[Any]) -> None:
     print(f"{n} links: linked in {link_s:.2f} s, one pull each in {pull_s:.2f} s, "
           f"~{per_link / 1024:.0f} KiB RSS per link")
     assert per_link < 256 << 10, f"{per_link / 1024:.0f} KiB per link"
+
+
+@pytest.mark.asyncio
+async def test_handshake_flood_is_refused_beyond_the_bound(cleanup: list[Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvflow._datadist as datadist
+
+    monkeypatch.setattr(datadist, "MAX_HANDSHAKES", 8)
+    d = desc(4, 4096)
+    srv, g, cache = await server(cleanup, d, **{"kvflow.HeartbeatInterval": "100",
+                                                "kvflow.HeartbeatTimeout": "1000"})
+    addr = srv.listen_address
+    assert addr is not None and g is not None
+
+    def flood() -> int:
+        socks = [socket.create_connection(addr, timeout=3) for _ in range(20)]
+        try:
+            refused = 0
+            for s in socks:
+                s.settimeout(0.3)
+                try:
+                    refused += s.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except OSError:
+                    refused += 1
+            return refused
+        finally:
+            for s in socks:
+                s.close()
+
+    assert await asyncio.to_thread(flood) >= 12  # the silent ones beyond 8 were closed at once
+    await until(lambda: len(srv._accepting) == 0, 5, "the silent handshakes to time out")
+    await serves_a_real_client(srv, cache, g, cleanup)
+
+
+@pytest.mark.asyncio
+async def test_max_links_makes_room_by_dropping_broken_links(cleanup: list[Any]) -> None:
+    d = desc(4, 4096)
+    srv, g, _cache = await server(cleanup, d, **{"kvflow.MaxLinks": "2"})
+    addr = srv.listen_address
+    assert addr is not None and g is not None
+    a, b, c = await make_dd(11), await make_dd(12), await make_dd(13)
+    cleanup.extend([a, b, c])
+    assert await link(a, PEER, addr) == LLMStatusCode.LLM_SUCCESS
+    assert await link(b, PEER, addr) == LLMStatusCode.LLM_SUCCESS
+    assert await link(c, PEER, addr) == LLMStatusCode.LLM_LINK_FAILED  # full
+    await a.unlink_llm_clusters([ClusterInfo(PEER, [IpInfo(*addr)])], force=True)  # only a's side: srv's breaks
+    await until(lambda: not srv._links[11].healthy, 5, "the server to see the cut")
+    assert set(srv._links) == {11, 12}
+    assert await link(c, PEER, addr) == LLMStatusCode.LLM_SUCCESS  # room made by dropping the broken link
+    assert set(srv._links) == {12, 13}
+    assert srv._links[12].healthy
