@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -80,8 +81,9 @@ async def _prefill(conn: Connection) -> None:
     if msg != "stop":
         src = np.asarray(msg["src_blocks"])
         dst = np.asarray(msg["dst_blocks"])
-        _fill(tensors, shape, src, seed=1)
-        _fill(tensors, shape, np.asarray(msg["pull_blocks"]), seed=2)  # request 2, pulled by decode later
+        # "compute" both requests off the event loop, which must keep answering heartbeats
+        await asyncio.to_thread(_fill, tensors, shape, src, 1)
+        await asyncio.to_thread(_fill, tensors, shape, np.asarray(msg["pull_blocks"]), 2)
         dst_index = CacheIndex(DECODE, msg["cache_id"])
         conn.send({"filled": True})
         await recv_from_parent(conn)
@@ -135,8 +137,8 @@ async def run_demo(shape: Shape, transport: str, progress: Any = None) -> dict[s
         pull_s = time.perf_counter() - t1
         if progress:
             progress("pull", 1, 1)
-        bad = _verify(tensors, shape, d_dst, d_pull)
         await dd.unlink_llm_clusters([ClusterInfo(PREFILL, [IpInfo(*hello["address"])])])
+        bad = await asyncio.to_thread(_verify, tensors, shape, d_dst, d_pull)
         peer.send("stop")
         await dd.finalize()
         if bad:

@@ -319,7 +319,7 @@ class Link:
             return
         except TIMEOUT_ERRORS:
             pass
-        if not getattr(self.endpoint, "one_sided", True):
+        if self.endpoint is not None and not self.endpoint.one_sided:
             # The peer itself moves the bytes of our operations (TCP): its unregister stops them on its
             # side (pins, then typed errors). Aborting our endpoint would only break the whole link.
             return
@@ -344,8 +344,7 @@ class Link:
             log.debug("link to cluster %d closed by the peer: %s", self.remote_cluster_id, exc)
             self.close(str(exc))
             return
-        log.warning("link to cluster %d broken: %s", self.remote_cluster_id, exc)
-        self.state = LinkState.BROKEN
+        self.state = LinkState.BROKEN  # on_closed logs the structured link_down line
         self.error = exc
         self._shutdown(exc)
 

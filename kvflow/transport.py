@@ -174,6 +174,11 @@ class LinkChannel(abc.ABC):
 class Endpoint(abc.ABC):
     """One link's data path."""
 
+    #: True when this side touches the peer's memory itself (shm, ucx): before the peer frees a
+    #: cache, the core waits for (and if need be aborts) our operations on it. False when the peer
+    #: serves every request itself and checks it against its own registrations (tcp).
+    one_sided: ClassVar[bool] = True
+
     @abc.abstractmethod
     async def read(self, batch: RunBatch) -> None:
         """Copy each remote run into its local run."""
