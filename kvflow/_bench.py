@@ -180,7 +180,8 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                     scattered = desc.stride == BLOCK_SIZES[0]
                     ci = CacheIndex(1, info["caches"][name])
                     kv = await _kv_throughput(dd, ci, locals_[name], desc, op, scattered, repeat)
-                    rb = base.throughput(desc.tensor_bytes, desc.stride, op)
+                    # off the loop: a long raw run must not starve this process's heartbeats
+                    rb = await asyncio.to_thread(base.throughput, desc.tensor_bytes, desc.stride, op)
                     label = f"{name} scattered" if scattered else name
                     rows.append(Row(t, op, label, kv, rb, "GiB/s", base_name))
                     if progress:
@@ -193,7 +194,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                 await dd.pull_kv_blocks(ci, cache, [i % 256], [(i * 7) % 256])
                 if i >= 200:
                     lat.append(time.perf_counter() - t0)
-            rlat = base.latency(lat_iters)
+            rlat = await asyncio.to_thread(base.latency, lat_iters)
             for q, label in ((50, "p50"), (99, "p99")):
                 rows.append(Row(t, f"4 KiB pull {label}", "4 KiB", _pct(lat, q), _pct(rlat, q), "us", base_name))
                 if progress:
@@ -261,4 +262,3 @@ if __name__ == "__main__":
     rows = main_bench(["tcp"], 256 << 20, 2)
     for r in format_rows(rows):
         print(" | ".join(r))
-    _ = asyncio

@@ -127,6 +127,11 @@ def test_conformance_with_ucx_tls_in_the_environment(tls: str) -> None:
 async def test_lanes_follow_ucx_tls(tls: str, lane: str) -> None:
     if lane == "cma/" and _lib_version() < (1, 22):  # older UCX: no CMA RMA in peer-error mode
         lane = "sysv/"
+    await _check_lanes(tls, lane)
+
+
+async def _check_lanes(tls: str, lane: str) -> None:
+    """Link two instances with UCX_TLS=``tls``, pull, and find ``lane`` in the endpoint's lanes."""
     opts = _opts(tls)
     async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
             LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
@@ -141,6 +146,24 @@ async def test_lanes_follow_ucx_tls(tls: str, lane: str) -> None:
         assert np.array_equal(src[0], dst[0])
         info = b._links[1].endpoint.info()  # type: ignore[union-attr]
         assert lane in info, info
+
+
+@pytest.mark.requires_rdma
+@pytest.mark.asyncio
+async def test_conformance_over_rdma() -> None:
+    """On a host with an active RDMA port: the suite over UCX's RC transport, and RC lanes chosen."""
+    from kvflow._memory import Registry
+    from kvflow.transport import TransportContext
+
+    t = UcxTransport(TransportContext(1, {"kvflow.ucx.TLS": "rc,self"}, Registry(), "x"))
+    try:
+        if not t.rdma:
+            pytest.skip(f"this UCX build has no RDMA transport (it opened {t._worker.transports()}); "
+                        "rebuild kvflow-ucx with KVFLOW_UCX_PREFIX (docs/ucx.md)")
+    finally:
+        await t.close()
+    await check_transport("ucx", options={"kvflow.ucx.TLS": "rc,self"}, timeout=300)
+    await _check_lanes("rc,self", "rc_")
 
 
 @pytest.mark.asyncio

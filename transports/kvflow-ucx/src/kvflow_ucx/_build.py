@@ -84,7 +84,8 @@ int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_work
 void kvf_worker_destroy(kvf_worker *w);
 int kvf_worker_efd(kvf_worker *w);
 int kvf_worker_arm(kvf_worker *w);
-unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, int *more);
+unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, uint64_t spin_ns,
+                             int *more);
 size_t kvf_worker_events(kvf_worker *w, kvf_event *out, size_t max);
 int kvf_worker_address(kvf_worker *w, void **addr, size_t *len);
 char *kvf_worker_info(kvf_worker *w);
@@ -109,6 +110,7 @@ size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                const int64_t *lidx, ucp_mem_h *memh_tab,
                const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes);
 int kvf_op_flush(kvf_op *op, kvf_ep *e);
+uint64_t kvf_worker_inflight(kvf_worker *w);
 int kvf_op_status(kvf_op *op);
 int kvf_op_finish(kvf_op *op, int *status);
 """
@@ -137,6 +139,7 @@ typedef struct kvf_worker {
     int efd;
     kvf_event *ev;
     size_t nev, cap;
+    uint64_t inflight;  /* bytes of RMA issued and not yet completed locally */
 } kvf_worker;
 
 typedef struct kvf_ep {
@@ -266,20 +269,30 @@ static uint64_t kvf_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* ucp_worker_progress until it reports no work, ``max_rounds`` calls or ``max_ns`` elapse;
- * *more is 1 if it stopped with work left (the worker still reported progress). */
-unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, int *more)
+/* ucp_worker_progress until it reports no work (while RMA bytes are in flight and no completion
+ * is pending: for ``spin_ns``), ``max_rounds`` calls or ``max_ns`` elapse; *more is 1 if it
+ * stopped with work left (the worker still made progress). */
+unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, uint64_t spin_ns,
+                             int *more)
 {
     unsigned total = 0, n, r;
-    uint64_t start = kvf_now_ns();
+    uint64_t start = kvf_now_ns(), now, last = start;
     *more = 0;
     for (r = 0; r < max_rounds; r++) {
         n = ucp_worker_progress(w->worker);
+        now = (n != 0 || spin_ns != 0) ? kvf_now_ns() : 0;
         if (n == 0) {
-            return total;
+            /* spin only while bytes are in flight and no completion waits to be delivered */
+            if (spin_ns == 0 || w->inflight == 0 || w->nev != 0 || now - last > spin_ns ||
+                now - start > max_ns) {
+                return total;
+            }
+            r--;  /* spinning while operations are in flight: bounded by time, not rounds */
+            continue;
         }
         total += n;
-        if (kvf_now_ns() - start > max_ns) {
+        last = now;
+        if (now - start > max_ns) {
             break;
         }
     }
@@ -513,6 +526,35 @@ static ucs_status_t kvf_op_track(kvf_op *op, ucs_status_ptr_t ret)
     return st;
 }
 
+/* The requests of one kvf_rma call: their bytes count as in flight on the worker until the
+ * last of them completes, which bounds how much work UCX holds (and one progress call does). */
+typedef struct kvf_chunk {
+    kvf_op *op;
+    uint64_t bytes;
+    int64_t pending;
+} kvf_chunk;
+
+static void kvf_chunk_release(kvf_chunk *c)
+{
+    if (--c->pending == 0) {
+        c->op->w->inflight -= c->bytes;
+        kvf_op_release(c->op);
+        free(c);
+    }
+}
+
+static void kvf_chunk_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvf_chunk *c = user_data;
+    if (status != UCS_OK && c->op->status == UCS_OK) {
+        c->op->status = status;
+    }
+    ucp_request_free(request);
+    kvf_chunk_release(c);
+}
+
+uint64_t kvf_worker_inflight(kvf_worker *w) { return w->inflight; }
+
 size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
                const int64_t *lidx, ucp_mem_h *memh_tab,
@@ -520,17 +562,27 @@ size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
 {
     ucp_request_param_t p;
     ucs_status_ptr_t ret;
+    ucs_status_t st;
     uint64_t bytes = 0;
     size_t i;
+    kvf_chunk *c;
 
-    if (op->status != UCS_OK) {
+    if (op->status != UCS_OK || n == 0) {
         return 0;
     }
+    c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        op->status = UCS_ERR_NO_MEMORY;
+        return 0;
+    }
+    c->op = op;
+    c->pending = 1;  /* released below, once issuing stops */
+    op->pending++;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      (memh_tab != NULL ? UCP_OP_ATTR_FIELD_MEMH : 0);
-    p.cb.send = kvf_op_cb;
-    p.user_data = op;
+    p.cb.send = kvf_chunk_cb;
+    p.user_data = c;
     for (i = 0; i < n; i++) {
         if (i > 0 && bytes >= max_bytes) {
             break;
@@ -546,10 +598,33 @@ size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                               rkey_tab[ridx[i]], &p);
         }
         bytes += len[i];
-        if (kvf_op_track(op, ret) != UCS_OK) {
-            return i + 1;
+        if (UCS_PTR_IS_PTR(ret)) {
+            c->pending++;
+            continue;
+        }
+        st = UCS_PTR_STATUS(ret);
+        if (st != UCS_OK) {
+            if (op->status == UCS_OK) {
+                op->status = st;
+            }
+            i++;
+            break;
         }
     }
+    if (is_put && op->status == UCS_OK) {
+        /* count the chunk in flight until the peer has the bytes, not only until they left:
+         * a put completes locally once its data is handed to the transport */
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        ret = ucp_ep_flush_nbx(e->ep, &p);
+        if (UCS_PTR_IS_PTR(ret)) {
+            c->pending++;
+        } else if (UCS_PTR_STATUS(ret) != UCS_OK && op->status == UCS_OK) {
+            op->status = UCS_PTR_STATUS(ret);
+        }
+    }
+    c->bytes = bytes;
+    op->w->inflight += bytes;
+    kvf_chunk_release(c);
     return i;
 }
 

@@ -221,7 +221,7 @@ class Op:
 
     def __init__(self, worker: Worker, op_id: int) -> None:
         self.id = op_id
-        self._op = worker.lib.kvf_op_new(worker._w, op_id)
+        self._op = worker.lib.kvf_op_new(worker._h, op_id)
         if self._op == worker.ffi.NULL:
             raise LLMOutOfMemory("kvf_op_new: out of memory")
 
@@ -265,13 +265,20 @@ class Endpoint:
         self.worker = worker
         self.id = ep_id
         out = worker.ffi.new("kvf_ep **")
-        _check(worker.lib.kvf_ep_create(worker._w, address, ep_id, out), "ucp_ep_create")
+        _check(worker.lib.kvf_ep_create(worker._h, address, ep_id, out), "ucp_ep_create")
         self._e = out[0]
+
+    @property
+    def _h(self) -> Any:
+        """The native endpoint; LLMLinkFailed once closed (never a NULL into C)."""
+        if self._e is None:
+            raise LLMLinkFailed("the ucx endpoint is closed")
+        return self._e
 
     def rkey_unpack(self, packed: bytes) -> Any:
         """An unpacked remote key (``ucp_rkey_h``); destroy with :meth:`rkey_destroy`."""
         out = self.worker.ffi.new("ucp_rkey_h *")
-        _check(self.worker.lib.kvf_ep_rkey_unpack(self._e, packed, out), "ucp_ep_rkey_unpack")
+        _check(self.worker.lib.kvf_ep_rkey_unpack(self._h, packed, out), "ucp_ep_rkey_unpack")
         return out[0]
 
     @staticmethod
@@ -281,11 +288,12 @@ class Endpoint:
     def rma(self, op: Op, is_put: bool, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
             lidx: np.ndarray, memh_tab: Any, ridx: np.ndarray, rkey_tab: Any, max_bytes: int) -> int:
         """Issue ``ucp_put_nbx``/``ucp_get_nbx`` for runs from the start of the arrays until
-        ``max_bytes`` are issued; returns the number issued. Arrays: uint64 addresses and lengths,
+        ``max_bytes`` are issued (puts then get one ``ucp_ep_flush_nbx``, so they complete once
+        the peer has the bytes); returns the number issued. Arrays: uint64 addresses and lengths,
         int64 indices into ``memh_tab`` and ``rkey_tab``. An error is left in ``op.status()``."""
         ffi = _native.ffi
         return _native.lib.kvf_rma(
-            op._op, self._e, 1 if is_put else 0, lengths.size,
+            op._op, self._h, 1 if is_put else 0, lengths.size,
             ffi.from_buffer("uint64_t[]", laddr), ffi.from_buffer("uint64_t[]", raddr),
             ffi.from_buffer("uint64_t[]", lengths), ffi.from_buffer("int64_t[]", lidx),
             memh_tab, ffi.from_buffer("int64_t[]", ridx), rkey_tab, max_bytes,
@@ -293,11 +301,11 @@ class Endpoint:
 
     def flush(self, op: Op) -> None:
         """Add a ``ucp_ep_flush_nbx`` to ``op`` (remote completion of its puts)."""
-        _native.lib.kvf_op_flush(op._op, self._e)
+        _native.lib.kvf_op_flush(op._op, self._h)
 
     def close(self, op: Op, force: bool) -> None:
         """Start ``ucp_ep_close_nbx``; ``op`` completes when the endpoint is released."""
-        _native.lib.kvf_ep_close(self._e, 1 if force else 0, op._op)
+        _native.lib.kvf_ep_close(self._h, 1 if force else 0, op._op)
         self._e = None
 
     def info(self) -> str:
@@ -343,6 +351,13 @@ class Worker:
     def alive(self) -> bool:
         return self._w is not None
 
+    @property
+    def _h(self) -> Any:
+        """The native worker; LLMLinkFailed once destroyed (never a NULL into C)."""
+        if self._w is None:
+            raise LLMLinkFailed("the ucx worker is closed")
+        return self._w
+
     def next_id(self) -> int:
         i = self._next_id
         self._next_id += 1
@@ -351,12 +366,11 @@ class Worker:
     def new_op(self) -> Op:
         return Op(self, self.next_id())
 
-    def progress(self, max_rounds: int = 1024, max_us: int = 500) -> bool:
-        """``ucp_worker_progress`` until it reports no work, ``max_rounds`` calls or ``max_us`` pass.
-
-        True if it stopped with work left (call again soon)."""
+    def progress(self, max_rounds: int = 1024, max_us: int = 500, spin_us: int = 0) -> bool:
+        """``ucp_worker_progress`` until it reports no work (for ``spin_us``: keep polling that long
+        for more), ``max_rounds`` calls or ``max_us`` pass. True if it stopped with work left."""
         more = self._more
-        self.lib.kvf_worker_progress(self._w, max_rounds, max_us * 1000, more)
+        self.lib.kvf_worker_progress(self._h, max_rounds, max_us * 1000, spin_us * 1000, more)
         return bool(more[0])
 
     def events(self) -> list[tuple[int, int, int]]:
@@ -364,14 +378,18 @@ class Worker:
         out: list[tuple[int, int, int]] = []
         ev = self._ev
         while True:
-            n = self.lib.kvf_worker_events(self._w, ev, self.EVENT_BATCH)
+            n = self.lib.kvf_worker_events(self._h, ev, self.EVENT_BATCH)
             out.extend((ev[i].id, ev[i].kind, ev[i].status) for i in range(n))
             if n < self.EVENT_BATCH:
                 return out
 
+    def inflight(self) -> int:
+        """Bytes of get/put issued on this worker that have not completed yet."""
+        return self.lib.kvf_worker_inflight(self._h)
+
     def arm(self) -> int:
         """``ucp_worker_arm``: ``UCS_OK`` (safe to sleep on ``efd``) or ``UCS_ERR_BUSY`` (progress again)."""
-        st = self.lib.kvf_worker_arm(self._w)
+        st = self.lib.kvf_worker_arm(self._h)
         if st not in (UCS_OK, UCS_ERR_BUSY):
             raise ucx_error(st, "ucp_worker_arm")
         return st
@@ -381,13 +399,13 @@ class Worker:
         ffi, lib = self.ffi, self.lib
         out = ffi.new("ucp_mem_h *")
         mem_type = lib.KVF_MEM_HOST if host else lib.KVF_MEM_AUTO
-        _check(lib.kvf_mem_map(self._w, addr, nbytes, mem_type, out), "ucp_mem_map")
+        _check(lib.kvf_mem_map(self._h, addr, nbytes, mem_type, out), "ucp_mem_map")
         memh = out[0]
         buf = ffi.new("void **")
         n = ffi.new("size_t *")
-        st = lib.kvf_rkey_pack(self._w, memh, buf, n)
+        st = lib.kvf_rkey_pack(self._h, memh, buf, n)
         if st != UCS_OK:
-            lib.kvf_mem_unmap(self._w, memh)
+            lib.kvf_mem_unmap(self._h, memh)
             raise ucx_error(st, "ucp_rkey_pack")
         try:
             rkey = bytes(ffi.buffer(buf[0], n[0]))
@@ -396,7 +414,7 @@ class Worker:
         return MemMap(memh, rkey, addr, nbytes)
 
     def mem_unmap(self, m: MemMap) -> None:
-        _check(self.lib.kvf_mem_unmap(self._w, m.memh), "ucp_mem_unmap")
+        _check(self.lib.kvf_mem_unmap(self._h, m.memh), "ucp_mem_unmap")
 
     def memh_table(self, maps: list[MemMap]) -> Any:
         """A C array of memory handles, indexed like ``maps``."""
@@ -410,11 +428,11 @@ class Worker:
 
     def info(self) -> str:
         """``ucp_worker_print_info``."""
-        return _take_string(self.lib.kvf_worker_info(self._w))
+        return _take_string(self.lib.kvf_worker_info(self._h))
 
     def context_info(self) -> str:
         """``ucp_context_print_info``: the memory domains and transport resources UCX opened."""
-        return _take_string(self.lib.kvf_context_info(self._w))
+        return _take_string(self.lib.kvf_context_info(self._h))
 
     def transports(self) -> list[str]:
         """The transport resources of the context, as ``tl/device`` (``rc_mlx5/mlx5_0:1``, ``tcp/lo``...)."""

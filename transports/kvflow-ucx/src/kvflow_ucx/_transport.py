@@ -3,8 +3,9 @@
 One UCP context and worker per transport (that is, per ``LlmDataDist``). ``register`` maps
 each tensor with ``ucp_mem_map`` and hands peers its packed rkey; ``connect`` creates an
 endpoint from the peer's worker address with peer error handling; ``read``/``write`` issue a
-``ucp_get_nbx``/``ucp_put_nbx`` per run from C (puts end with one ``ucp_ep_flush_nbx``) and
-await one completion per batch.
+``ucp_get_nbx``/``ucp_put_nbx`` per run from C, in chunks that each end (for puts) with one
+``ucp_ep_flush_nbx``, a bounded number of bytes in flight per worker, and await one completion
+per batch.
 
 Progress is event driven: the worker's event fd sits in the loop (``add_reader``); when it is
 readable, or after work is issued, the loop progresses the worker for at most half a
@@ -34,9 +35,18 @@ log = logging.getLogger("kvflow.ucx")
 
 __all__ = ["UcxEndpoint", "UcxTransport"]
 
-#: Bytes issued per call into C before yielding to the loop (bounds the time a put batch
-#: spends copying into transport buffers, e.g. over TCP).
-ISSUE_BYTES = 16 << 20
+#: Flow control: (bytes of get/put in flight per worker, bytes issued per call into C, largest
+#: piece a long run is cut into). Over TCP, UCX emulates RMA with messages and one progress call
+#: drains whatever it holds (on either side), so the window bounds the time one call (and so the
+#: event loop) can take to about a millisecond. Over shared memory (CMA moves one 512 KiB segment
+#: per progress call) and RDMA (the NIC moves the bytes) a deep window costs nothing and keeps the
+#: pipe full. A put chunk ends with a flush, so put bytes count until the peer has them.
+LIMITS_TCP = (4 << 20, 1 << 20, 1 << 20)
+LIMITS_FAST = (64 << 20, 16 << 20, 8 << 20)
+#: While get/put bytes are in flight (and no completion is ready), a progress pass keeps polling
+#: this long after the last work before it re-arms and sleeps: waking through the fd costs more
+#: than a short spin when the next completion is microseconds away. Idle, nothing spins.
+SPIN_US = 50
 #: How long a cancelled transfer may take to finish its issued operations before the
 #: endpoint is force-closed so that no further byte can land.
 CANCEL_GRACE_S = 2.0
@@ -134,6 +144,19 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _split(laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray, lidx: np.ndarray, ridx: np.ndarray,
+           piece: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The runs cut into pieces of at most ``piece`` bytes (so that a long run is pipelined within
+    the in-flight window like many short ones)."""
+    p = np.uint64(piece)
+    counts = ((lengths + p - np.uint64(1)) // p).astype(np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    k = (np.arange(int(counts.sum()), dtype=np.int64) - first).astype(np.uint64)  # piece number in its run
+    rep = np.repeat(np.arange(lengths.size), counts)
+    off = k * p
+    return (laddr[rep] + off, raddr[rep] + off, np.minimum(lengths[rep] - off, p), lidx[rep], ridx[rep])
+
+
 class _Progress:
     """Drives one worker from the event loop and turns completion events into futures."""
 
@@ -144,6 +167,7 @@ class _Progress:
         self.what: dict[int, str] = {}
         self.ep_handlers: dict[int, UcxEndpoint] = {}
         self.idle_hooks: list[Any] = []
+        self._waiters: list[asyncio.Future[None]] = []
         self._scheduled = False
         self._watchdog: asyncio.TimerHandle | None = None
         self._fd = worker.efd
@@ -165,6 +189,12 @@ class _Progress:
             self._scheduled = True
             self.loop.call_soon(self._run)
 
+    def next_run(self) -> asyncio.Future[None]:
+        """A future resolved after the next progress pass."""
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._waiters.append(fut)
+        return fut
+
     def _on_readable(self) -> None:
         self.wakeups += 1
         self._run()
@@ -183,11 +213,16 @@ class _Progress:
         if self.closed:
             return
         w = self.worker
-        more = w.progress()
+        more = w.progress(spin_us=SPIN_US)
         self.dispatch(w.events())
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
         if more or w.arm() == ll.UCS_ERR_BUSY:
             self.kick()
-        elif self.ops and self._watchdog is None:
+        elif (self.ops or self._waiters) and self._watchdog is None:
             self._watchdog = self.loop.call_later(WATCHDOG_S, self._watch)
 
     def finish(self, op: ll.Op, fut: asyncio.Future[None], what: str) -> None:
@@ -238,6 +273,10 @@ class _Progress:
         if self.closed:
             return
         self.closed = True
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
         if self._watchdog is not None:
             self._watchdog.cancel()
         try:
@@ -279,6 +318,7 @@ class UcxEndpoint(Endpoint):
         self._garbage: list[Any] = []  # rkeys of dropped remote caches, destroyed when idle
         self._closing: asyncio.Future[None] | None = None
         self._key = f"ucx:{id(self)}"
+        self._lim: tuple[int, int, int] | None = None
         self._progress.ep_handlers[ep.id] = self
 
     def __repr__(self) -> str:
@@ -343,6 +383,15 @@ class UcxEndpoint(Endpoint):
     async def write(self, batch: RunBatch) -> None:
         await self._move(batch, True)
 
+    def _limits(self) -> tuple[int, int, int]:
+        """Flow-control limits for this endpoint's lanes (TCP's until UCX has wired it up)."""
+        if self._lim is None:
+            info = self._ep.info()
+            if "lane[" not in info:
+                return LIMITS_TCP
+            self._lim = LIMITS_TCP if "tcp/" in info else LIMITS_FAST
+        return self._lim
+
     def _check_usable(self) -> None:
         if self._dead is not None:
             raise LLMLinkFailed(f"ucx endpoint is broken: {self._dead}")
@@ -373,29 +422,37 @@ class UcxEndpoint(Endpoint):
                      else f"cache {batch.local_cache.cache_id}")
             raise LLMParamInvalid(f"run {i} ({int(lengths[i])} bytes) lies outside {where}")
 
+        window, chunk, piece = self._limits()
+        if int(lengths.max()) > piece:
+            laddr, raddr, lengths, lidx, ridx = _split(laddr, raddr, lengths, lidx, ridx, piece)
+            n = lengths.size
         worker = self._t._worker
         op = worker.new_op()
         what = "ucp_put_nbx" if put else "ucp_get_nbx"
         fut = self._progress.track(op, what)
         self._inflight.add(fut)
         cancelled: asyncio.CancelledError | None = None
+        progress = self._progress
         try:
             i = 0
             while i < n:
-                i += self._ep.rma(op, put, laddr[i:], raddr[i:], lengths[i:], lidx[i:], mapped.table,
-                                  ridx[i:], keys.table, ISSUE_BYTES)
-                if op.status() != ll.UCS_OK or i >= n:
-                    break
-                self._progress.kick()
-                try:
-                    await asyncio.sleep(0)
+                room = min(window - worker.inflight(), chunk)
+                if room > 0:
+                    i += self._ep.rma(op, put, laddr[i:], raddr[i:], lengths[i:], lidx[i:], mapped.table,
+                                      ridx[i:], keys.table, room)
+                    if op.status() != ll.UCS_OK or i >= n:
+                        break
+                progress.kick()
+                try:  # let completions in (and other tasks run) before issuing more
+                    if worker.inflight() >= window:
+                        await progress.next_run()
+                    else:
+                        await asyncio.sleep(0)
                 except asyncio.CancelledError as exc:  # stop issuing; what was issued still completes
                     cancelled = exc
                     break
                 if self._dead is not None or self._closing is not None:
                     break
-            if put and op.status() == ll.UCS_OK and self._dead is None:
-                self._ep.flush(op)
             self._progress.finish(op, fut, what)
             if cancelled is not None:
                 await self._settle(fut)
@@ -409,8 +466,9 @@ class UcxEndpoint(Endpoint):
             self._inflight.discard(fut)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved: a cancelled caller does not see it
-        if self._dead is not None and i < n:
-            raise LLMLinkFailed(f"ucx endpoint broke during the transfer: {self._dead}")
+        if i < n:  # stopped issuing because the endpoint broke or closed under us
+            raise LLMLinkFailed(f"ucx endpoint {'broke' if self._dead else 'closed'} during the transfer"
+                                + (f": {self._dead}" if self._dead else ""))
 
     async def _settle(self, fut: asyncio.Future[None]) -> None:
         """After a cancel: wait (bounded) until the issued operations complete, else force-close."""
@@ -449,13 +507,17 @@ class UcxEndpoint(Endpoint):
         self._start_close(force=True)
         inflight = [f for f in self._inflight if not f.done()]
         if inflight:  # cancelled requests normally complete inside the close; give them a moment
-            self._progress.drive(None, 0.05)
+            self._progress.drive(None, 0.01)
         for f in inflight:
             if not f.done():
                 f.set_exception(LLMLinkFailed(str(exc)) if not isinstance(exc, LLMException) else exc)
 
     def _start_close(self, force: bool) -> None:
         worker = self._t._worker
+        if not worker.alive:  # the transport was closed first: UCX released everything already
+            self._closing = self._progress.loop.create_future()
+            self._closing.set_result(None)
+            return
         op = worker.new_op()
         self._closing = self._progress.track(op, "ucp_ep_close_nbx")
         self._progress.ep_handlers.pop(self._ep.id, None)
