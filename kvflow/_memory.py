@@ -148,16 +148,16 @@ class LocalCache:
         """Byte views of the given runs. Without ``tensors`` (each run's tensor index, as planned
         locally) every run is first checked to lie inside a registered tensor."""
         idx = self.locate(addrs, lens) if tensors is None else tensors
-        regions = self.regions
-        out: list[memoryview] = []
-        append = out.append
-        for i, a, n in zip(idx.tolist(), addrs.tolist(), lens.tolist()):
-            r = regions[i]
-            if r.view is None:
-                raise LLMParamInvalid(f"cache {self.cache_id} is device memory; this transport needs host memory")
-            o = a - r.addr
-            append(r.view[o : o + n])
-        return out
+        if self.regions[0].view is None:
+            raise LLMParamInvalid(f"cache {self.cache_id} is device memory; this transport needs host memory")
+        starts = addrs - self.addrs[idx]  # offsets inside each run's tensor, computed at once
+        ends = (starts + lens).tolist()
+        starts = starts.tolist()
+        if len(self.regions) == 1:
+            v = self.regions[0].view
+            return [v[a:b] for a, b in zip(starts, ends)]
+        views = [r.view for r in self.regions]
+        return [views[i][a:b] for i, a, b in zip(idx.tolist(), starts, ends)]
 
     def pin(self, owner: Any = None) -> None:
         """Count an operation that reads or writes this cache's memory."""

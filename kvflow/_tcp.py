@@ -14,7 +14,9 @@ import logging
 import os
 import socket
 import struct
+from bisect import bisect_left, bisect_right
 from collections import deque
+from itertools import accumulate
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -31,6 +33,7 @@ RUN = np.dtype([("addr", "<u8"), ("len", "<u8")])
 MAX_RUNS = 1 << 14  # runs per frame
 MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+CHUNK_BYTES = 1 << 20  # payload bytes offered to one sendmsg / recvmsg_into
 RECV_BUDGET = 4 << 20  # bytes per readable callback before yielding to the loop
 SEND_BUDGET = 4 << 20
 # Requests one side may have outstanding on a channel (sent, response not wholly received).
@@ -104,6 +107,38 @@ class _Transfer:
             self.fut.set_exception(exc)
 
 
+class _Cursor:
+    """A position in a list of buffers; advancing costs a bisect, not a Python step per buffer."""
+
+    __slots__ = ("bufs", "ends", "i", "pos")
+
+    def __init__(self, bufs: list[Any]) -> None:
+        self.bufs = bufs
+        self.ends = list(accumulate(map(len, bufs)))  # memoryviews here are byte-formatted
+        self.i = 0  # first buffer not wholly consumed
+        self.pos = 0  # bytes consumed
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.bufs)
+
+    def chunk(self) -> tuple[list[Any], int]:
+        """The buffers for the next syscall, and their total size: about ``CHUNK_BYTES`` (a socket
+        holds little more, and each buffer passed costs its acquisition whether filled or not)."""
+        i, bufs, ends = self.i, self.bufs, self.ends
+        off = self.pos - (ends[i - 1] if i else 0)
+        j = min(bisect_left(ends, self.pos + CHUNK_BYTES, i) + 1, i + IOV_MAX, len(bufs))
+        head = bufs[i] if off == 0 else memoryview(bufs[i])[off:]
+        return [head, *bufs[i + 1 : j]], self.ends[j - 1] - self.pos
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        self.i = bisect_right(self.ends, self.pos, self.i)
+
+
+_NO_CURSOR = _Cursor([])
+
+
 class _Out:
     """One frame waiting to be sent.
 
@@ -111,11 +146,12 @@ class _Out:
     frame is wholly handed to the kernel or dropped); ``on_done`` runs once, sent or dropped;
     ``rsp_req`` is the peer's request id for a response to the peer's read."""
 
-    __slots__ = ("bufs", "idx", "on_done", "op", "pinned", "rsp_req")
+    __slots__ = ("bufs", "cursor", "idx", "on_done", "op", "pinned", "rsp_req")
 
     def __init__(self, bufs: list[Any], on_done: Callable[[], None] | None = None, op: _Op | None = None,
                  pinned: LocalCache | None = None, rsp_req: int | None = None) -> None:
         self.bufs = bufs
+        self.cursor: _Cursor | None = None
         self.idx = -1  # -1: not started
         self.on_done = on_done
         self.op = op
@@ -170,8 +206,7 @@ class TcpChannel:
         self._cur: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
         self._runs = bytearray()
         self._runs_mv = memoryview(self._runs)
-        self._dests: list[memoryview] = []
-        self._didx = 0
+        self._rx = _NO_CURSOR
         self._left = 0
         self._on_payload: Callable[[], None] | None = None
         self._payload_op: _Op | None = None
@@ -300,9 +335,10 @@ class TcpChannel:
         q = self._sendq
         while q and budget > 0:
             out = q[0]
-            bufs = out.bufs
-            i = max(out.idx, 0)  # out.idx stays -1 until a byte of the frame is sent
-            chunk = bufs[i : i + IOV_MAX]
+            cur = out.cursor
+            if cur is None:
+                cur = out.cursor = _Cursor(out.bufs)
+            chunk, want = cur.chunk()
             try:
                 n = sock.sendmsg(chunk)
             except (BlockingIOError, InterruptedError):
@@ -311,25 +347,14 @@ class TcpChannel:
                 self._fail(LLMLinkFailed(f"data connection send failed: {exc}"))
                 return
             budget -= n
-            want = 0
-            for b in chunk:
-                want += len(b)
-            full = n < want
-            while n > 0:
-                b = bufs[i]
-                lb = len(b)
-                if n >= lb:
-                    n -= lb
-                    i += 1
-                else:
-                    bufs[i] = memoryview(b)[n:]
-                    n = 0
-            out.idx = i
-            if i == len(bufs):
+            cur.advance(n)
+            out.idx = cur.i  # stays -1 until a byte of the frame is sent
+            if cur.done:
                 q.popleft()
                 out.bufs = []
+                out.cursor = None
                 self._dropped(out)
-            if full:
+            if n < want:
                 break
         if q and not self._writer_on and self._closed is None:
             self._loop.add_writer(self._fd, self._flush)
@@ -372,22 +397,13 @@ class TcpChannel:
                         self._state = _ST_DISCARD
                         self._payload_op = None
                         continue
-                    dests = self._dests
-                    i = self._didx
-                    n = sock.recvmsg_into(dests[i : i + IOV_MAX])[0]
+                    cur = self._rx
+                    n = sock.recvmsg_into(cur.chunk()[0])[0]
                     if n == 0:
                         raise ConnectionResetError("peer closed the data connection")
                     budget -= n
                     self._left -= n
-                    while n > 0:
-                        lb = len(dests[i])
-                        if n >= lb:
-                            n -= lb
-                            i += 1
-                        else:
-                            dests[i] = dests[i][n:]
-                            n = 0
-                    self._didx = i
+                    cur.advance(n)
                     if self._left == 0:
                         self._payload_done()
                         return
@@ -419,8 +435,7 @@ class TcpChannel:
         elif dests is None:
             self._state = _ST_DISCARD
         else:
-            self._dests = list(dests)
-            self._didx = 0
+            self._rx = _Cursor(dests)
             self._state = _ST_PAYLOAD
 
     def _payload_done(self) -> None:
@@ -431,7 +446,7 @@ class TcpChannel:
         self._payload_pin = None
         self._payload_req = 0
         self._payload_served = None
-        self._dests = []
+        self._rx = _NO_CURSOR
         if done is not None:
             done()
 
@@ -558,7 +573,7 @@ class TcpChannel:
         self._writer_on = False
         self._state = _ST_HDR
         self._on_payload = None
-        self._dests = []
+        self._rx = _NO_CURSOR
         if self._payload_pin is not None:  # a peer's write into our memory was cut short
             self._payload_pin.unpin(self)
             self._payload_pin = None
@@ -614,7 +629,7 @@ class TcpChannel:
             local.unpin(self)
             self._payload_pin = None
             self._state = _ST_DISCARD
-            self._dests = []
+            self._rx = _NO_CURSOR
             assert self._payload_served is not None
             self._on_payload = self._write_rsp(self._payload_req, code, self._payload_served)
         if cut:
