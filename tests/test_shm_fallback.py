@@ -1,0 +1,70 @@
+"""When shm cannot reach the peer, the link falls back to tcp and says why (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvflow import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmDataDist, available_transports
+
+pytestmark = pytest.mark.asyncio
+
+PEER = textwrap.dedent("""
+    import asyncio, sys, numpy as np, kvflow
+    from kvflow import LlmDataDist, CacheDesc, DataType
+
+    async def main():
+        async with LlmDataDist(1, options={"llm.ListenIpInfo": "127.0.0.1:0",
+                                           "kvflow.Transports": "shm,tcp"}) as dd:
+            buf = np.arange(4096, dtype=np.uint8)
+            cache = await dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, [4, 1024]), [buf])
+            print(dd.listen_address[1], cache.cache_id, flush=True)
+            await asyncio.to_thread(sys.stdin.read)   # until the test closes stdin
+
+    kvflow.run(main())
+""")
+
+
+def _unshare_usable() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare(1) is not installed"
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=10)
+    return None if r.returncode == 0 else f"cannot make a PID namespace here: {r.stderr.decode().strip()}"
+
+
+@pytest.mark.skipif(available_transports().get("shm") != "ok", reason=f"shm: {available_transports().get('shm')}")
+async def test_peer_in_another_pid_namespace_falls_back_to_tcp() -> None:
+    why = _unshare_usable()
+    if why:
+        pytest.skip(why)
+    peer = await asyncio.create_subprocess_exec(
+        "unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", PEER,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert peer.stdout is not None
+        line = await asyncio.wait_for(peer.stdout.readline(), 60)
+        port, cache_id = (int(x) for x in line.split())
+        async with LlmDataDist(2, options={"kvflow.Transports": "shm,tcp"}) as dd:
+            assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", port)])], 5000) == [0]
+            info = dd.link_info(1)
+            assert info.transport == "tcp"
+            assert "PID namespace" in info.fallbacks["shm"], info.fallbacks
+            out = np.zeros(4096, dtype=np.uint8)
+            cache = await dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, [4, 1024]), [out])
+            await dd.pull_kv_blocks(CacheIndex(1, cache_id), cache, [0, 1, 2, 3], [3, 2, 1, 0])
+            want = np.arange(4096, dtype=np.uint8).reshape(4, 1024)[::-1].ravel()
+            assert np.array_equal(out, want)
+    finally:
+        if peer.stdin is not None:
+            peer.stdin.close()
+        try:
+            await asyncio.wait_for(peer.wait(), 10)
+        except asyncio.TimeoutError:
+            peer.kill()
+            await peer.wait()
