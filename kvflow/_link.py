@@ -395,7 +395,3 @@ def describe_local(local: LocalCache, transport: str) -> dict[str, Any]:
         "addrs": [r.addr for r in local.regions],
         "descs": list(local.descs.get(transport) or [None] * len(local.regions)),
     }
-
-
-def kv_cache_not_exist(cache_id: int, cluster_id: int) -> LLMKvCacheNotExist:
-    return LLMKvCacheNotExist(f"cache {cache_id} is not registered on cluster {cluster_id}")

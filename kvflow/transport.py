@@ -39,7 +39,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
@@ -124,24 +124,6 @@ class RunBatch:
 
     def __len__(self) -> int:
         return int(self.lengths.size)
-
-    def split(self, max_runs: int) -> list[RunBatch]:
-        """This batch cut into batches of at most ``max_runs`` runs."""
-        n = len(self)
-        if n <= max_runs:
-            return [self]
-        return [
-            RunBatch(
-                self.local_addrs[i : i + max_runs],
-                self.remote_addrs[i : i + max_runs],
-                self.lengths[i : i + max_runs],
-                self.local_tensor[i : i + max_runs],
-                self.remote_tensor[i : i + max_runs],
-                self.local_cache,
-                self.remote_cache,
-            )
-            for i in range(0, n, max_runs)
-        ]
 
 
 @dataclass
@@ -230,10 +212,6 @@ class Transport(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport (at finalize)."""
-
-
-TransportFactory = Callable[[TransportContext], Transport]
-_Awaitable = Awaitable[None]
 
 
 def _builtin() -> dict[str, type[Transport]]:
