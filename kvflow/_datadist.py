@@ -21,7 +21,7 @@ from ._memory import LocalCache, Registry
 from ._metrics import Metrics, end_span, event, link_span
 from ._metrics import now as metrics_now
 from ._options import Options, parse_options
-from ._plan import Plan, block_list, layer_tensors, plan_blocks, plan_cache
+from ._plan import Plan, block_list, plan_blocks, plan_cache, side_tensors
 from ._status import (
     LLMClusterNumExceedLimit,
     LLMException,
@@ -905,7 +905,7 @@ def _addrs(local: LocalCache) -> np.ndarray:
 def _blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,
                      local_is_src: bool) -> None:
     """The checks of a block transfer that need only the local cache."""
-    _layer_local(ext, desc, local_is_src)
+    side_tensors(ext, desc, local_is_src)
     lb = block_list(local_blocks, desc.num_blocks, "src_blocks" if local_is_src else "dst_blocks")
     rb = block_list(remote_blocks, 1 << 62, "dst_blocks" if local_is_src else "src_blocks")
     if lb.size != rb.size:
@@ -918,25 +918,13 @@ def _blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext
 def _cache_precheck(desc: CacheDesc, batch_index: Any, size: Any, ext: KvCacheExtParam | None,
                     local_is_src: bool) -> None:
     """The checks of a whole-slot transfer that need only the local cache."""
-    _layer_local(ext, desc, local_is_src)
+    side_tensors(ext, desc, local_is_src)
     what = "src_batch_index" if local_is_src else "batch_index"
     _check_int(what, batch_index, 0, desc.num_blocks - 1)
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
         raise LLMParamInvalid(f"size must be an int, got {size!r}")
     if size != -1 and not 0 < size <= desc.stride:
         raise LLMParamInvalid(f"size {size} must be -1 or in 1..{desc.stride} (bytes per tensor slot)")
-
-
-def _layer_local(ext: KvCacheExtParam | None, desc: CacheDesc, local_is_src: bool) -> None:
-    """Check the local side's layer range against the local cache."""
-    ext = ext or KvCacheExtParam()
-    if not isinstance(ext, KvCacheExtParam):
-        raise LLMParamInvalid(f"ext_param must be a KvCacheExtParam, got {type(ext).__name__}")
-    n = ext.tensor_num_per_layer
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise LLMParamInvalid(f"tensor_num_per_layer must be a positive int, got {n!r}")
-    rng = ext.src_layer_range if local_is_src else ext.dst_layer_range
-    layer_tensors(rng, desc.num_tensors, int(n), "src_layer_range" if local_is_src else "dst_layer_range")
 
 
 def _check_index(ci: CacheIndex, blocks: bool) -> CacheIndex:

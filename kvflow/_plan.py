@@ -51,20 +51,32 @@ def _all_tensors(num_tensors: int) -> np.ndarray:
     return out
 
 
-def tensor_pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple[np.ndarray, np.ndarray]:
-    """Source and destination tensor indices selected by ``ext``, of equal length."""
+def _ext(ext: KvCacheExtParam | None) -> tuple[KvCacheExtParam, int]:
+    """``ext`` (default: all layers) and its checked ``tensor_num_per_layer``."""
     ext = ext or KvCacheExtParam()
     if not isinstance(ext, KvCacheExtParam):
         raise LLMParamInvalid(f"ext_param must be a KvCacheExtParam, got {type(ext).__name__}")
     n = ext.tensor_num_per_layer
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise LLMParamInvalid(f"tensor_num_per_layer must be a positive int, got {n!r}")
-    n = int(n)
+    return ext, int(n)
+
+
+def tensor_pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination tensor indices selected by ``ext``, of equal length."""
+    ext, n = _ext(ext)
     s = layer_tensors(ext.src_layer_range, src.num_tensors, n, "src_layer_range")
     d = layer_tensors(ext.dst_layer_range, dst.num_tensors, n, "dst_layer_range")
     if s.size != d.size:
         raise LLMParamInvalid(f"layer ranges select {s.size} source and {d.size} destination tensors")
     return s, d
+
+
+def side_tensors(ext: KvCacheExtParam | None, desc: CacheDesc, is_src: bool) -> np.ndarray:
+    """One side's tensor indices selected by ``ext`` (the checks that need only that cache)."""
+    ext, n = _ext(ext)
+    rng = ext.src_layer_range if is_src else ext.dst_layer_range
+    return layer_tensors(rng, desc.num_tensors, n, "src_layer_range" if is_src else "dst_layer_range")
 
 
 def block_list(blocks: Any, num_blocks: int, what: str) -> np.ndarray:
