@@ -493,15 +493,21 @@ async def served(cleanup: list[Any], descs: list[CacheDesc], seed: int
     return dd, peer, proxy, mine
 
 
-@pytest.mark.asyncio
-async def test_unregister_waits_for_a_peer_read_in_progress(cleanup: list[Any]) -> None:
-    d = desc(32, 256 << 10)
-    dd, peer, proxy, [(g, cache)] = await served(cleanup, [d], 30)
+async def stalled_peer_read(cleanup: list[Any], seed: int) -> tuple[Any, Peer, FaultProxy, Any, Any,
+                                                                    asyncio.Future[Any]]:
+    """A peer pulling all 32 blocks of our cache, stalled after 2 MiB of the answer crossed the proxy."""
+    dd, peer, proxy, [(g, cache)] = await served(cleanup, [desc(32, 256 << 10)], seed)
     proxy.stall(after=2 << 20, direction="down", conns=[DATA])
     blocks = list(range(32))
     pull = asyncio.ensure_future(peer.call("pull_blocks", LOCAL, cache.cache_id, peer.caches[0], blocks, blocks,
                                            30000))
     await until(lambda: proxy.connections[DATA].down.forwarded >= 2 << 20, 10, "2 MiB forwarded")
+    return dd, peer, proxy, g, cache, pull
+
+
+@pytest.mark.asyncio
+async def test_unregister_waits_for_a_peer_read_in_progress(cleanup: list[Any]) -> None:
+    dd, peer, proxy, g, cache, pull = await stalled_peer_read(cleanup, 30)
     local = dd._registry._caches[cache.cache_id]
     assert local.inflight == 1
     unreg = asyncio.ensure_future(dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=10000))
@@ -519,13 +525,7 @@ async def test_unregister_waits_for_a_peer_read_in_progress(cleanup: list[Any]) 
 
 @pytest.mark.asyncio
 async def test_unregister_deadline_cuts_a_stalled_peer_read(cleanup: list[Any]) -> None:
-    d = desc(32, 256 << 10)
-    dd, peer, proxy, [(_g, cache)] = await served(cleanup, [d], 31)
-    proxy.stall(after=2 << 20, direction="down", conns=[DATA])
-    blocks = list(range(32))
-    pull = asyncio.ensure_future(peer.call("pull_blocks", LOCAL, cache.cache_id, peer.caches[0], blocks, blocks,
-                                           30000))
-    await until(lambda: proxy.connections[DATA].down.forwarded >= 2 << 20, 10, "2 MiB forwarded")
+    dd, peer, proxy, _g, cache, pull = await stalled_peer_read(cleanup, 31)
     local = dd._registry._caches[cache.cache_id]
     t0 = time.monotonic()
     await dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
