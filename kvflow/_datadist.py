@@ -15,6 +15,7 @@ import numpy as np
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
+from ._deadline import Deadline
 from ._layerwise import CacheTask, LayerSynchronizer, TransferConfig, abort_tasks, start_transfer
 from ._link import Link, LinkState, StreamChannel, describe_local, open_socket
 from ._memory import LocalCache, Registry
@@ -709,8 +710,8 @@ class LlmDataDist:
         ci = _check_index(src_cache_index, blocks=False)
 
         def plan(remote: RemoteCache) -> Plan:
-            return plan_cache(remote.desc, remote.addrs, ci.batch_index, local.desc, _addrs(local),
-                              batch_index, size, ext_param)
+            return plan_cache(remote.desc, remote.addrs, ci.batch_index, local.desc, local.addrs,
+                              batch_index, size, ext_param, False)
 
         await self._transfer(_PULL, ci, local, plan, timeout_in_millis,
                              lambda: _cache_precheck(local.desc, batch_index, size, ext_param, False))
@@ -724,8 +725,8 @@ class LlmDataDist:
         ci = _check_index(src_cache_index, blocks=True)
 
         def plan(remote: RemoteCache) -> Plan:
-            return plan_blocks(remote.desc, remote.addrs, local.desc, _addrs(local), src_blocks, dst_blocks,
-                               ext_param)
+            return plan_blocks(remote.desc, remote.addrs, local.desc, local.addrs, src_blocks, dst_blocks,
+                               ext_param, False)
 
         await self._transfer(_PULL, ci, local, plan, timeout_in_millis,
                              lambda: _blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
@@ -739,7 +740,7 @@ class LlmDataDist:
         ci = _check_index(dst_cache_index, blocks=False)
 
         def plan(remote: RemoteCache) -> Plan:
-            return plan_cache(local.desc, _addrs(local), src_batch_index, remote.desc, remote.addrs,
+            return plan_cache(local.desc, local.addrs, src_batch_index, remote.desc, remote.addrs,
                               ci.batch_index, size, ext_param)
 
         await self._transfer(_PUSH, ci, local, plan, timeout_in_millis,
@@ -754,7 +755,7 @@ class LlmDataDist:
         ci = _check_index(dst_cache_index, blocks=True)
 
         def plan(remote: RemoteCache) -> Plan:
-            return plan_blocks(local.desc, _addrs(local), remote.desc, remote.addrs, src_blocks, dst_blocks,
+            return plan_blocks(local.desc, local.addrs, remote.desc, remote.addrs, src_blocks, dst_blocks,
                                ext_param)
 
         await self._transfer(_PUSH, ci, local, plan, timeout_in_millis,
@@ -763,63 +764,68 @@ class LlmDataDist:
     async def _transfer(self, direction: str, ci: CacheIndex, local: LocalCache,
                         planner: Callable[[RemoteCache], Plan], timeout_in_millis: int | None,
                         precheck: Callable[[], None]) -> None:
-        """``_transfer_once``, counted in ``stats()`` (and traced when OpenTelemetry is set up)."""
+        """Plan against the peer's cache and move the batch within the deadline, counted in
+        ``stats()`` (and traced when OpenTelemetry is set up).
+
+        ``precheck`` holds the checks that need only the local cache; they run before the peer is
+        first asked for its cache (once it is known, ``planner`` checks everything). A batch the
+        endpoint can move at once (``read_now``/``write_now``) needs no deadline."""
+        timeout = self._deadline(timeout_in_millis)
         metrics = self._metrics
         span = metrics.start_span(direction, ci.cluster_id, ci.cache_id)
         t0 = metrics_now()
+        link = self._links.get(ci.cluster_id)
         try:
-            transport, batch = await self._transfer_once(direction, ci, local, planner, timeout_in_millis, precheck)
+            remote = link.remotes.get(ci.cache_id) if link is not None else None
+            batch = None
+            if remote is not None:
+                assert link is not None
+                endpoint = link.check()
+                batch = planner(remote).batch(local, remote)
+                if endpoint.read_now(batch) if direction is _PULL else endpoint.write_now(batch):
+                    metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+                    return
+            else:
+                precheck()
+                link = self._link(ci.cluster_id)
+            batch = await self._transfer_awaited(direction, ci, link, local, remote, batch, planner, timeout)
         except BaseException as exc:
             metrics.failed(direction, ci.cluster_id, self._links.get(ci.cluster_id), exc, metrics_now() - t0, span)
             raise
-        metrics.done(direction, ci.cluster_id, transport, batch, metrics_now() - t0, span)
+        metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
 
-    async def _transfer_once(self, direction: str, ci: CacheIndex, local: LocalCache,
-                             planner: Callable[[RemoteCache], Plan], timeout_in_millis: int | None,
-                             precheck: Callable[[], None]) -> tuple[str, RunBatch]:
-        """Plan against the peer's cache and run the batch on the link's endpoint, within the deadline.
-
-        ``precheck`` holds the checks that need only the local cache; they run before the peer is
-        first asked for its cache (once it is known, ``planner`` checks everything)."""
-        timeout = self._deadline(timeout_in_millis)
-        link = self._links.get(ci.cluster_id)
-        remote = link.remotes.get(ci.cache_id) if link is not None else None
-        if remote is None:
-            precheck()
-            link = self._link(ci.cluster_id)
-        else:
-            assert link is not None
-            link.check()
+    async def _transfer_awaited(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache,
+                                remote: RemoteCache | None, batch: RunBatch | None,
+                                planner: Callable[[RemoteCache], Plan], timeout: float) -> RunBatch:
+        """The rest of ``_transfer``: look the peer's cache up if need be, plan, run the batch."""
         local.pin()
+        deadline = Deadline(self._loop, timeout)
         try:
-            async with timeout_after(timeout):
-                if remote is None:
-                    remote = await link.remote_cache(ci.cache_id, timeout)
-                p = planner(remote)
-                if direction == _PULL:
-                    batch = RunBatch(p.dst_addr, p.src_addr, p.length, p.dst_tensor, p.src_tensor, local, remote)
+            if remote is None:
+                remote = await link.remote_cache(ci.cache_id, timeout)
+            if batch is None:
+                batch = planner(remote).batch(local, remote)
+            endpoint = link.check()
+            remote.begin()
+            try:
+                if direction is _PULL:
+                    await endpoint.read(batch)
                 else:
-                    batch = RunBatch(p.src_addr, p.dst_addr, p.length, p.src_tensor, p.dst_tensor, local, remote)
-                endpoint = link.check()
-                remote.begin()
-                try:
-                    if direction == _PULL:
-                        await endpoint.read(batch)
-                    else:
-                        await endpoint.write(batch)
-                finally:
-                    remote.end()
-                return link.transport, batch
-        except TIMEOUT_ERRORS as exc:
-            if isinstance(exc, LLMException):
-                raise
-            raise LLMTimeoutError(
-                f"{direction} with cluster {ci.cluster_id} cache {ci.cache_id} did not finish within "
-                f"{timeout * 1000:.0f} ms") from None
+                    await endpoint.write(batch)
+            finally:
+                remote.end()
+            return batch
+        except asyncio.CancelledError:
+            if deadline.stop():
+                raise LLMTimeoutError(
+                    f"{direction} with cluster {ci.cluster_id} cache {ci.cache_id} did not finish within "
+                    f"{timeout * 1000:.0f} ms") from None
+            raise
         except LLMKvCacheNotExist:
             link.forget(ci.cache_id)
             raise
         finally:
+            deadline.stop()
             local.unpin()
 
     # ------------------------------------------------------------------ layer-wise push
@@ -898,10 +904,6 @@ class LlmDataDist:
 
 
 # ---------------------------------------------------------------------- helpers
-def _addrs(local: LocalCache) -> np.ndarray:
-    return local.addrs
-
-
 def _blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,
                      local_is_src: bool) -> None:
     """The checks of a block transfer that need only the local cache."""
@@ -928,6 +930,11 @@ def _cache_precheck(desc: CacheDesc, batch_index: Any, size: Any, ext: KvCacheEx
 
 
 def _check_index(ci: CacheIndex, blocks: bool) -> CacheIndex:
+    if type(ci) is CacheIndex:  # the common case, checked without calls
+        c, k, b = ci.cluster_id, ci.cache_id, ci.batch_index
+        if (type(c) is int and type(k) is int and type(b) is int
+                and 0 <= c < 1 << 64 and 0 < k < 1 << 64 and (b == 0 or (not blocks and 0 < b < 1 << 32))):
+            return ci
     if not isinstance(ci, CacheIndex):
         raise LLMParamInvalid(f"expected a CacheIndex, got {type(ci).__name__}")
     _check_int("cluster_id", ci.cluster_id)

@@ -526,8 +526,7 @@ class CacheTask:
                 return
             k0, k1 = d.sent, d.ready  # every layer that is ready and not yet sent, in one batch
             a, b = bounds[k0], bounds[k1]
-            batch = RunBatch(plan.src_addr[a:b], plan.dst_addr[a:b], plan.length[a:b], plan.src_tensor[a:b],
-                             plan.dst_tensor[a:b], self._local, remote)
+            batch = RunBatch.of_table(np.ascontiguousarray(plan.table[:, a:b]), self._local, remote)
             remaining = self._deadline - loop.time()
             if remaining <= 0:
                 raise self._timeout(f"layers {d.layers[k0]}..{d.layers[k1 - 1]} were not sent")
@@ -569,7 +568,7 @@ def start_transfer(dd: LlmDataDist, local: LocalCache, synchronizer: Any, transf
                    src_block_indices: Any, dst_block_indices: Any, tensor_num_per_layer: Any,
                    timeout_in_millis: int | None) -> CacheTask:
     """Check everything that needs only local state (LLMParamInvalid), then start the task."""
-    from ._datadist import _addrs, _blocks_precheck, _cache_precheck, _check_index, _check_int
+    from ._datadist import _blocks_precheck, _cache_precheck, _check_index, _check_int
     from ._plan import block_list, plan_blocks, plan_cache
 
     try:
@@ -600,7 +599,7 @@ def start_transfer(dd: LlmDataDist, local: LocalCache, synchronizer: Any, transf
             raise LLMParamInvalid("dst_block_indices names a block more than once")
     if timeout_in_millis is not None:
         _check_int("timeout_in_millis", timeout_in_millis, 1, 24 * 3600 * 1000)
-    addrs = _addrs(local)
+    addrs = local.addrs
     dests: list[_Dest] = []
     for i, cfg in enumerate(transfer_configs):
         try:

@@ -171,9 +171,9 @@ class Metrics:
         s = self.series.get(key)
         if s is None:
             s = self.series[key] = OpStats()
-        lengths = batch.lengths
-        runs = len(lengths)
-        nbytes = lengths.item(0) if runs == 1 else int(lengths.sum())  # numpy's sum costs ~1 us
+        table = batch.table
+        runs = table.shape[1]
+        nbytes = table.item(2, 0) if runs == 1 else int(table[2].sum())  # numpy's sum costs ~1 us
         s.transfers += 1
         s.bytes += nbytes
         s.runs += runs

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import operator
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ._status import LLMParamInvalid
 from ._types import CacheDesc, KvCacheExtParam, LayerRange
+from .transport import RunBatch
+
+if TYPE_CHECKING:
+    from ._memory import LocalCache
+    from .transport import RemoteCache
 
 
 def layer_tensors(rng: LayerRange, num_tensors: int, per_layer: int, what: str) -> np.ndarray:
@@ -111,6 +116,7 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return src[starts], dst[starts], counts
 
 
+_U64 = np.dtype(np.uint64)
 SMALL = 16  # block lists up to this long are planned in plain Python: cheaper than numpy calls
 
 
@@ -120,20 +126,23 @@ def small_block_list(blocks: Any, num_blocks: int, what: str) -> list[int] | Non
         return None
     out = []
     for b in blocks:
-        if isinstance(b, bool):
-            raise LLMParamInvalid(f"{what} must hold integers, got {b!r}")
-        try:
-            i = operator.index(b)
-        except TypeError:
-            raise LLMParamInvalid(f"{what} must hold integers, got {b!r}") from None
-        if not 0 <= i < num_blocks:
-            raise LLMParamInvalid(f"{what}: block {i} is outside 0..{num_blocks - 1}")
-        out.append(i)
+        if type(b) is not int:  # exactly int is the fast case; bool, numpy ints... below
+            if isinstance(b, bool):
+                raise LLMParamInvalid(f"{what} must hold integers, got {b!r}")
+            try:
+                b = operator.index(b)
+            except TypeError:
+                raise LLMParamInvalid(f"{what} must hold integers, got {b!r}") from None
+        if not 0 <= b < num_blocks:
+            raise LLMParamInvalid(f"{what}: block {b} is outside 0..{num_blocks - 1}")
+        out.append(b)
     return out
 
 
-def coalesce_small(src: list[int], dst: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """``coalesce`` for short Python lists."""
+def coalesce_small(src: list[int], dst: list[int], stride: int) -> tuple[list[int], list[int], list[int]]:
+    """``coalesce`` for short Python lists, in bytes: (source offsets, destination offsets, run lengths)."""
+    if len(src) == 1:
+        return [src[0] * stride], [dst[0] * stride], [stride]
     s0, d0, cnt = [src[0]], [dst[0]], [1]
     for s, d in zip(src[1:], dst[1:]):
         if s == s0[-1] + cnt[-1] and d == d0[-1] + cnt[-1]:
@@ -142,51 +151,94 @@ def coalesce_small(src: list[int], dst: list[int]) -> tuple[list[int], list[int]
             s0.append(s)
             d0.append(d)
             cnt.append(1)
-    return s0, d0, cnt
+    return [b * stride for b in s0], [b * stride for b in d0], [c * stride for c in cnt]
 
 
 class Plan:
-    """Runs between a source and a destination cache (addresses per tensor, strides in bytes)."""
+    """Runs between a source and a destination cache, as one (5, n) uint64 table in the row order
+    of :class:`~kvflow.transport.RunBatch`: local address, remote address, length, local tensor,
+    remote tensor (``local_is_src`` says which side is local)."""
 
-    __slots__ = ("dst_addr", "dst_tensor", "length", "src_addr", "src_tensor")
+    __slots__ = ("local_is_src", "table")
 
-    def __init__(self, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
-                 src_t: np.ndarray, dst_t: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray,
-                 run_bytes: np.ndarray) -> None:
-        nt, nr = src_t.size, src_start.size
-        sa = src_addrs[src_t].astype(np.uint64)[:, None] + (src_start.astype(np.uint64) * np.uint64(src_stride))
-        da = dst_addrs[dst_t].astype(np.uint64)[:, None] + (dst_start.astype(np.uint64) * np.uint64(dst_stride))
-        self.src_addr = sa.ravel()
-        self.dst_addr = da.ravel()
-        self.length = np.broadcast_to(run_bytes.astype(np.uint64), (nt, nr)).ravel()
-        self.src_tensor = np.repeat(src_t, nr)
-        self.dst_tensor = np.repeat(dst_t, nr)
+    def __init__(self, table: np.ndarray, local_is_src: bool) -> None:
+        self.table = table
+        self.local_is_src = local_is_src
 
     @classmethod
-    def small(cls, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
-              src_t: np.ndarray, dst_t: np.ndarray, src_start: list[int], dst_start: list[int],
-              run_bytes: list[int]) -> Plan:
-        """The same runs as ``Plan(...)``, computed in plain Python for short lists."""
-        sa_all, da_all = src_addrs.tolist(), dst_addrs.tolist()
-        sa, da, ln, st, dt = [], [], [], [], []
-        for ts, td in zip(src_t.tolist(), dst_t.tolist()):
-            base_s, base_d = sa_all[ts], da_all[td]
-            for s0, d0, n in zip(src_start, dst_start, run_bytes):
-                sa.append(base_s + s0 * src_stride)
-                da.append(base_d + d0 * dst_stride)
-                ln.append(n)
-                st.append(ts)
-                dt.append(td)
-        plan = cls.__new__(cls)
-        plan.src_addr, plan.dst_addr, plan.length = np.array((sa, da, ln), dtype=np.uint64)
-        plan.src_tensor, plan.dst_tensor = np.array((st, dt), dtype=np.int64)
-        return plan
+    def build(cls, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
+              src_t: np.ndarray, dst_t: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray,
+              run_bytes: np.ndarray, local_is_src: bool) -> Plan:
+        """Every selected tensor pair times every run (vectorised)."""
+        nt, nr = src_t.size, src_start.size
+        table = np.empty((5, nt, nr), dtype=np.uint64)
+        s, d = (0, 1) if local_is_src else (1, 0)
+        table[s] = src_addrs[src_t].astype(np.uint64)[:, None] + src_start.astype(np.uint64) * np.uint64(src_stride)
+        table[d] = dst_addrs[dst_t].astype(np.uint64)[:, None] + dst_start.astype(np.uint64) * np.uint64(dst_stride)
+        table[2] = run_bytes.astype(np.uint64)
+        table[3 + s] = src_t.astype(np.uint64)[:, None]
+        table[3 + d] = dst_t.astype(np.uint64)[:, None]
+        return cls(table.reshape(5, nt * nr), local_is_src)
+
+    @classmethod
+    def small(cls, src_addrs: list[int], src_offs: list[int], dst_addrs: list[int], dst_offs: list[int],
+              src_t: list[int], dst_t: list[int], run_bytes: list[int], local_is_src: bool) -> Plan:
+        """The same runs as ``build``, computed in plain Python for short lists: ``*_addrs`` are the
+        tensors' start addresses, ``*_offs`` each run's byte offset inside a tensor."""
+        if len(run_bytes) == 1:
+            st, dt = src_t, dst_t
+            if len(src_t) == 1:  # a single run: the common tiny transfer
+                sa, da = [src_addrs[st[0]] + src_offs[0]], [dst_addrs[dt[0]] + dst_offs[0]]
+            else:
+                sa = [src_addrs[t] + src_offs[0] for t in src_t]
+                da = [dst_addrs[t] + dst_offs[0] for t in dst_t]
+        else:
+            sa = [src_addrs[t] + o for t in src_t for o in src_offs]
+            da = [dst_addrs[t] + o for t in dst_t for o in dst_offs]
+            st = [t for t in src_t for _ in run_bytes]
+            dt = [t for t in dst_t for _ in run_bytes]
+        ln = run_bytes * len(src_t)
+        flat = sa + da + ln + st + dt if local_is_src else da + sa + ln + dt + st
+        return cls(np.fromiter(flat, _U64, len(flat)).reshape(5, -1), local_is_src)  # fromiter: the cheapest
+
+    def batch(self, local: LocalCache, remote: RemoteCache) -> RunBatch:
+        """These runs as a transport's batch between ``local`` and ``remote``."""
+        return RunBatch.of_table(self.table, local, remote)
+
+    @property
+    def src_addr(self) -> np.ndarray:
+        return self.table[0 if self.local_is_src else 1]
+
+    @property
+    def dst_addr(self) -> np.ndarray:
+        return self.table[1 if self.local_is_src else 0]
+
+    @property
+    def length(self) -> np.ndarray:
+        return self.table[2]
+
+    @property
+    def src_tensor(self) -> np.ndarray:
+        return self.table[3 if self.local_is_src else 4].view(np.int64)
+
+    @property
+    def dst_tensor(self) -> np.ndarray:
+        return self.table[4 if self.local_is_src else 3].view(np.int64)
+
+
+def _pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple[np.ndarray, np.ndarray]:
+    """``tensor_pairs``, with the common case (no ext_param, same tensor count) first."""
+    if ext is None and src.num_tensors == dst.num_tensors:
+        t = _all_tensors(src.num_tensors)
+        return t, t
+    return tensor_pairs(ext, src, dst)
 
 
 def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs: np.ndarray,
-                src_blocks: Sequence[int], dst_blocks: Sequence[int], ext: KvCacheExtParam | None) -> Plan:
+                src_blocks: Sequence[int], dst_blocks: Sequence[int], ext: KvCacheExtParam | None,
+                local_is_src: bool = True) -> Plan:
     """Runs for a block-list transfer; every block and layer is checked."""
-    s_t, d_t = tensor_pairs(ext, src, dst)
+    s_t, d_t = _pairs(ext, src, dst)
     ss = small_block_list(src_blocks, src.num_blocks, "src_blocks")
     ds = small_block_list(dst_blocks, dst.num_blocks, "dst_blocks")
     if ss is not None and ds is not None:
@@ -194,14 +246,15 @@ def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs
             raise LLMParamInvalid(f"src_blocks has {len(ss)} entries, dst_blocks has {len(ds)}")
         if src.stride != dst.stride:
             raise LLMParamInvalid(f"block sizes differ: source {src.stride} bytes, destination {dst.stride}")
-        if len(set(ds)) != len(ds):
+        if len(ds) > 1 and len(set(ds)) != len(ds):
             raise LLMParamInvalid("dst_blocks names a block more than once")
-        s0, d0, cnt = coalesce_small(ss, ds)
         stride = src.stride
-        if s_t.size * len(s0) <= 4 * SMALL:
-            return Plan.small(src_addrs, stride, dst_addrs, stride, s_t, d_t, s0, d0, [c * stride for c in cnt])
-        return Plan(src_addrs, stride, dst_addrs, stride, s_t, d_t, np.array(s0, dtype=np.int64),
-                    np.array(d0, dtype=np.int64), np.array(cnt, dtype=np.int64) * stride)
+        so, do, nb = coalesce_small(ss, ds, stride)
+        if s_t.size * len(so) <= SMALL:
+            return Plan.small(src_addrs.tolist(), so, dst_addrs.tolist(), do, s_t.tolist(), d_t.tolist(), nb,
+                              local_is_src)
+        return Plan.build(src_addrs, 1, dst_addrs, 1, s_t, d_t, np.array(so, dtype=np.int64),
+                          np.array(do, dtype=np.int64), np.array(nb, dtype=np.int64), local_is_src)
     sb = block_list(src_blocks, src.num_blocks, "src_blocks")
     db = block_list(dst_blocks, dst.num_blocks, "dst_blocks")
     if sb.size != db.size:
@@ -211,13 +264,13 @@ def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs
     if np.unique(db).size != db.size:
         raise LLMParamInvalid("dst_blocks names a block more than once")
     s0, d0, cnt = coalesce(sb, db)
-    return Plan(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, s0, d0, cnt * src.stride)
+    return Plan.build(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, s0, d0, cnt * src.stride, local_is_src)
 
 
 def plan_cache(src: CacheDesc, src_addrs: np.ndarray, src_batch: int, dst: CacheDesc, dst_addrs: np.ndarray,
-               dst_batch: int, size: int, ext: KvCacheExtParam | None) -> Plan:
+               dst_batch: int, size: int, ext: KvCacheExtParam | None, local_is_src: bool = True) -> Plan:
     """Runs for a whole-slot transfer: ``size`` bytes per tensor (-1 = the whole batch slot)."""
-    s_t, d_t = tensor_pairs(ext, src, dst)
+    s_t, d_t = _pairs(ext, src, dst)
     for what, b, desc in (("source batch_index", src_batch, src), ("destination batch_index", dst_batch, dst)):
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < desc.num_blocks:
             raise LLMParamInvalid(f"{what} {b!r} is outside 0..{desc.num_blocks - 1}")
@@ -229,5 +282,9 @@ def plan_cache(src: CacheDesc, src_addrs: np.ndarray, src_batch: int, dst: Cache
         size = src.stride
     if not 0 < size <= min(src.stride, dst.stride):
         raise LLMParamInvalid(f"size {size} must be -1 or in 1..{min(src.stride, dst.stride)} (bytes per tensor slot)")
-    return Plan.small(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, [int(src_batch)],
-                      [int(dst_batch)], [int(size)])
+    if s_t.size <= SMALL:
+        return Plan.small(src_addrs.tolist(), [int(src_batch) * src.stride], dst_addrs.tolist(),
+                          [int(dst_batch) * dst.stride], s_t.tolist(), d_t.tolist(), [int(size)], local_is_src)
+    one = np.ones(1, dtype=np.int64)
+    return Plan.build(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, one * int(src_batch),
+                      one * int(dst_batch), one * int(size), local_is_src)

@@ -113,7 +113,7 @@ class CacheDesc:
         """Bytes of one block (or batch slot) of one tensor: ``tensor_bytes // shape[0]``."""
         return self.tensor_bytes // int(self.shape[0])
 
-    @property
+    @cached_property
     def num_blocks(self) -> int:
         """``shape[0]``: the number of blocks, or the batch size."""
         return int(self.shape[0])

@@ -19,6 +19,7 @@ The life of a transport on one ``LlmDataDist``:
    transport in the initiator's preference order that both accept is chosen, then each side calls
    ``connect(peer_info, channel)`` and gets an :class:`Endpoint`.
 5. ``Endpoint.read(batch)`` / ``write(batch)`` move a :class:`RunBatch`; ``close()`` at unlink.
+   ``read_now`` / ``write_now`` (optional) move a tiny batch on the spot, with no deadline.
 
 Rules every transport keeps (``kvflow.testing.check_transport`` checks them):
 
@@ -104,26 +105,75 @@ class RemoteCache:
         return np.fromiter((r.addr for r in self.regions), dtype=np.uint64, count=len(self.regions))
 
 
-@dataclass
 class RunBatch:
     """Runs of one transfer, all in one direction: ``lengths[i]`` bytes between
     ``local_addrs[i]`` (inside ``local_cache`` tensor ``local_tensor[i]``) and ``remote_addrs[i]``
-    (inside ``remote_cache`` tensor ``remote_tensor[i]``). Arrays are uint64 / int64."""
+    (inside ``remote_cache`` tensor ``remote_tensor[i]``).
 
-    local_addrs: np.ndarray
-    remote_addrs: np.ndarray
-    lengths: np.ndarray
-    local_tensor: np.ndarray
-    remote_tensor: np.ndarray
-    local_cache: LocalCache
-    remote_cache: RemoteCache
+    The runs are one C-contiguous uint64 ``table`` of shape (5, n), rows in the order of
+    :data:`ROWS`, so that a native transport can hand all of them over as one buffer; the five
+    properties are views of its rows (the tensor rows as int64)."""
+
+    __slots__ = ("local_cache", "remote_cache", "table")
+
+    #: The rows of ``table``.
+    ROWS: ClassVar[tuple[str, ...]] = ("local_addrs", "remote_addrs", "lengths", "local_tensor", "remote_tensor")
+
+    def __init__(self, local_addrs: np.ndarray, remote_addrs: np.ndarray, lengths: np.ndarray,
+                 local_tensor: np.ndarray, remote_tensor: np.ndarray, local_cache: LocalCache,
+                 remote_cache: RemoteCache) -> None:
+        n = np.shape(lengths)[0]
+        table = np.empty((5, n), dtype=np.uint64)
+        for i, row in enumerate((local_addrs, remote_addrs, lengths, local_tensor, remote_tensor)):
+            table[i] = row
+        self.table = table
+        self.local_cache = local_cache
+        self.remote_cache = remote_cache
+
+    @classmethod
+    def of_table(cls, table: np.ndarray, local_cache: LocalCache, remote_cache: RemoteCache) -> RunBatch:
+        """A batch over an existing (5, n) uint64 table (not copied)."""
+        batch = cls.__new__(cls)
+        batch.table = table
+        batch.local_cache = local_cache
+        batch.remote_cache = remote_cache
+        return batch
+
+    @property
+    def local_addrs(self) -> np.ndarray:
+        return self.table[0]
+
+    @property
+    def remote_addrs(self) -> np.ndarray:
+        return self.table[1]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.table[2]
+
+    @property
+    def local_tensor(self) -> np.ndarray:
+        return self.table[3].view(np.int64)
+
+    @property
+    def remote_tensor(self) -> np.ndarray:
+        return self.table[4].view(np.int64)
 
     @property
     def nbytes(self) -> int:
-        return int(self.lengths.sum())
+        lengths = self.table[2]
+        return sum(lengths.tolist()) if lengths.size <= 64 else int(lengths.sum())  # numpy's sum: ~1 us
 
     def __len__(self) -> int:
-        return int(self.lengths.size)
+        return self.table.shape[1]
+
+    def __getitem__(self, part: slice) -> RunBatch:
+        """The runs ``part`` (a slice) as a batch of their own (a copy of those columns)."""
+        return RunBatch.of_table(np.ascontiguousarray(self.table[:, part]), self.local_cache, self.remote_cache)
+
+    def __repr__(self) -> str:
+        return (f"<RunBatch {len(self)} runs, local cache {self.local_cache.cache_id}, "
+                f"remote cache {self.remote_cache.cache_id}>")
 
 
 @dataclass
@@ -168,6 +218,16 @@ class Endpoint(abc.ABC):
     @abc.abstractmethod
     async def write(self, batch: RunBatch) -> None:
         """Copy each local run into its remote run."""
+
+    def read_now(self, batch: RunBatch) -> bool:
+        """Optional fast path: do ``read(batch)`` on the calling thread and return True, or move
+        nothing and return False (then the core awaits ``read``). Only for batches that finish in
+        microseconds whatever the peer does: the core sets no deadline around this call."""
+        return False
+
+    def write_now(self, batch: RunBatch) -> bool:
+        """``read_now`` for ``write``."""
+        return False
 
     def abort(self, exc: BaseException) -> None:  # noqa: B027 - optional hook
         """Fail everything in flight at once (the link is gone); must not block."""

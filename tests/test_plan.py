@@ -50,24 +50,45 @@ def test_cache_plan_size_and_batch() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 63)), min_size=1, max_size=40, unique_by=lambda p: p[1]))
-def test_small_and_vectorised_paths_agree(pairs: list[tuple[int, int]]) -> None:
-    """Lists of up to SMALL blocks take a plain-Python path; both paths give the same bytes."""
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 63)), min_size=1, max_size=40, unique_by=lambda p: p[1]),
+       st.booleans())
+def test_small_and_vectorised_paths_agree(pairs: list[tuple[int, int]], local_is_src: bool) -> None:
+    """Lists of up to SMALL blocks take a plain-Python path; both paths give the same bytes, and
+    both tables put the local side first."""
     desc = CacheDesc(2, DataType.DT_UINT8, [64, 8])
     a = np.array([1 << 20, 2 << 20], dtype=np.uint64)
     b = np.array([3 << 20, 4 << 20], dtype=np.uint64)
     src = [p[0] for p in pairs]
     dst = [p[1] for p in pairs]
-    fast = plan_blocks(desc, a, desc, b, src, dst, None)
-    vec = plan_blocks(desc, a, desc, b, np.array(src), np.array(dst), None)  # arrays always take numpy
-    assert len(src) > SMALL or fast.length.size >= 1
+    fast = plan_blocks(desc, a, desc, b, src, dst, None, local_is_src)
+    vec = plan_blocks(desc, a, desc, b, np.array(src), np.array(dst), None, local_is_src)  # arrays take numpy
 
-    def expand(p):  # every byte mapping, independent of how runs were cut
+    def expand(p):  # every byte mapping with its tensors, independent of how runs were cut
         out = set()
-        for s, d, n in zip(p.src_addr.tolist(), p.dst_addr.tolist(), p.length.tolist()):
-            out.update((s + i, d + i) for i in range(n))
+        rows = zip(p.src_addr.tolist(), p.dst_addr.tolist(), p.length.tolist(), p.src_tensor.tolist(),
+                   p.dst_tensor.tolist())
+        for s, d, n, ts, td in rows:
+            out.update((s + i, d + i, ts, td) for i in range(n))
         return out
 
-    assert expand(fast) == expand(vec)
-    want = {(int(a[t]) + s * 8 + i, int(b[t]) + d * 8 + i) for t in range(2) for s, d in pairs for i in range(8)}
-    assert expand(vec) == want
+    want = {(int(a[t]) + s * 8 + i, int(b[t]) + d * 8 + i, t, t)
+            for t in range(2) for s, d in pairs for i in range(8)}
+    assert expand(fast) == expand(vec) == want
+    for p in (fast, vec):
+        assert p.table.dtype == np.uint64 and p.table.flags.c_contiguous
+        local, remote = (p.src_addr, p.dst_addr) if local_is_src else (p.dst_addr, p.src_addr)
+        assert p.table[0].tolist() == local.tolist() and p.table[1].tolist() == remote.tolist()
+
+
+def test_whole_slot_plan_small_and_vectorised_agree() -> None:
+    """plan_cache computes up to SMALL tensors in Python, more with numpy: the same runs."""
+    for tensors in (SMALL, SMALL + 2):
+        desc = CacheDesc(tensors, DataType.DT_UINT8, [4, 32])
+        a = np.arange(1, tensors + 1, dtype=np.uint64) << np.uint64(20)
+        b = a + np.uint64(1 << 40)
+        for local_is_src in (True, False):
+            p = plan_cache(desc, a, 3, desc, b, 1, 20, None, local_is_src)
+            assert p.length.tolist() == [20] * tensors
+            assert (p.src_addr - a).tolist() == [3 * 32] * tensors
+            assert (p.dst_addr - b).tolist() == [32] * tensors
+            assert p.src_tensor.tolist() == p.dst_tensor.tolist() == list(range(tensors))

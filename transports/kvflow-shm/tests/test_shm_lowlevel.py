@@ -147,6 +147,40 @@ def test_checked_transfer_moves_bytes_and_defers_big_batches() -> None:
     assert ll.transfer(os.getpid(), False, wide, remote, lens.astype(np.int32), t, t, lr, rr) == 150
 
 
+def test_table_transfer_checks_runs_then_moves_or_defers() -> None:
+    """``transfer_table``: the (5, n) RunBatch table in one buffer, same checks as ``transfer``."""
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    lr, rr = ll.Regions(_u64(addr_of(dst)), _u64(256)), ll.Regions(_u64(addr_of(src)), _u64(256))
+    out = ll.scratch()
+
+    def table(local: list[int], remote: list[int], lens: list[int], rt: int = 0) -> np.ndarray:
+        n = len(lens)
+        return np.array([[addr_of(dst) + o for o in local], [addr_of(src) + o for o in remote], lens, [0] * n,
+                         [rt] * n], dtype=np.uint64)
+
+    assert ll.transfer_table(os.getpid(), False, table([0, 100], [200, 0], [50, 100]), lr, rr, 149, out) == -150
+    assert not dst.any()
+    assert ll.transfer_table(os.getpid(), False, table([0, 100], [200, 0], [50, 100]), lr, rr, 150, out) == 150
+    assert np.array_equal(dst[:50], src[200:250]) and np.array_equal(dst[100:200], src[:100])
+    dst[:] = 0
+    for bad, side in [(table([0, 250], [0, 0], [10, 10]), "local"), (table([0], [250], [10]), "remote"),
+                      (table([0], [0], [10], rt=1), "remote")]:
+        with pytest.raises(ll.RunOutOfBounds) as info:
+            ll.transfer_table(os.getpid(), False, bad, lr, rr, 1 << 20, out)
+        assert info.value.side == side
+    assert not dst.any()  # a refused batch moves nothing
+    # another dtype or a non-contiguous view is copied first; a wrong shape is refused
+    assert ll.transfer_table(os.getpid(), False, table([0], [5], [5]).astype(np.int64), lr, rr, 1 << 20, out) == 5
+    wide = np.repeat(table([8], [9], [3]), 2, axis=1)[:, ::2]
+    assert not wide.flags.c_contiguous
+    assert ll.transfer_table(os.getpid(), False, wide, lr, rr, 1 << 20, out) == 3
+    assert dst[:5].tolist() == [5, 6, 7, 8, 9] and dst[8:11].tolist() == [9, 10, 11]
+    for shape in [(4, 1), (5, 0), (5,)]:
+        with pytest.raises(LLMParamInvalid):
+            ll.transfer_table(os.getpid(), False, np.zeros(shape, dtype=np.uint64), lr, rr, 1 << 20, out)
+
+
 def test_import_without_native_module() -> None:
     code = textwrap.dedent(
         """

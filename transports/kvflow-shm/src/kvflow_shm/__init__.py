@@ -161,6 +161,24 @@ class ShmEndpoint(Endpoint):
         state = f"CLOSED ({self._closed.args[0]})" if self._closed else "OPEN"
         return f"<ShmEndpoint pid={self.pid} {state} inflight={len(self._inflight)}>"
 
+    def read_now(self, batch: RunBatch, write: bool = False) -> bool:
+        """Check every run, then copy the batch here if it is at most ``kvflow.shm.InlineBytes``."""
+        if self._closed is not None:
+            raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
+        t = self._transport
+        try:
+            moved = ll.transfer_table(self.pid, write, batch.table, t._local_regions(batch.local_cache),
+                                      _remote_regions(batch.remote_cache), t.inline_bytes, self._out)
+        except ll.RunOutOfBounds as exc:
+            raise _out_of_bounds(batch, exc) from None
+        except LLMLinkFailed as exc:
+            self._broken(exc)
+            raise
+        return moved >= 0
+
+    def write_now(self, batch: RunBatch) -> bool:
+        return self.read_now(batch, True)
+
     async def read(self, batch: RunBatch) -> None:
         await self._run(False, batch)
 
@@ -168,26 +186,17 @@ class ShmEndpoint(Endpoint):
         await self._run(True, batch)
 
     async def _run(self, write: bool, batch: RunBatch) -> None:
-        if self._closed is not None:
-            raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
+        if self.read_now(batch, write):
+            return
         t = self._transport
         args = (self.pid, write, batch.local_addrs, batch.remote_addrs, batch.lengths, batch.local_tensor,
                 batch.remote_tensor, t._local_regions(batch.local_cache), _remote_regions(batch.remote_cache))
-        try:
-            moved = ll.transfer(*args, inline_limit=t.inline_bytes, out=self._out)
-            if moved >= 0:
-                return
-        except ll.RunOutOfBounds as exc:
-            raise _out_of_bounds(batch, exc) from None
-        except LLMLinkFailed as exc:
-            self._broken(exc)
-            raise
         # Too large for the loop thread: copy in worker threads with the GIL released, a big
         # batch split by bytes over the threads. One stop flag covers every part.
         stop = ll.StopFlag()
         pool = t._executor()
         cfs: list[Future[int]] = [pool.submit(ll.transfer, *part, stop=stop)
-                                  for part in _split(args, -moved, t.threads)]
+                                  for part in _split(args, batch.nbytes, t.threads)]
         futs = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
         op = _Op(stop, futs)
         self._inflight.add(op)

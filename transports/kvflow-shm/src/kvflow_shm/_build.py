@@ -33,6 +33,10 @@ int64_t kvf_transfer(int pid, int write, const uint64_t *local, const uint64_t *
                      const uint64_t *lbases, const uint64_t *lsizes, size_t nl,
                      const uint64_t *rbases, const uint64_t *rsizes, size_t nr,
                      uint64_t inline_limit, uint64_t max_chunk, const int *stop, uint64_t *out);
+int64_t kvf_transfer_table(int pid, int write, const uint64_t *table, size_t n,
+                           const uint64_t *lbases, const uint64_t *lsizes, size_t nl,
+                           const uint64_t *rbases, const uint64_t *rsizes, size_t nr,
+                           uint64_t inline_limit, uint64_t *out);
 """
 
 SOURCE = r"""
@@ -166,6 +170,18 @@ int64_t kvf_transfer(int pid, int write, const uint64_t *local, const uint64_t *
     if (total > inline_limit)
         return -KVF_DEFERRED;
     return kvf_vm_copy(pid, write, local, remote, lens, n, max_chunk, stop, &out[0]);
+}
+
+/* kvf_transfer over one (5, n) table, rows: local, remote, length, local tensor, remote tensor
+   (kvflow's RunBatch.table); no stop flag: for batches small enough to copy on the caller's thread. */
+int64_t kvf_transfer_table(int pid, int write, const uint64_t *table, size_t n,
+                           const uint64_t *lbases, const uint64_t *lsizes, size_t nl,
+                           const uint64_t *rbases, const uint64_t *rsizes, size_t nr,
+                           uint64_t inline_limit, uint64_t *out)
+{
+    return kvf_transfer(pid, write, table, table + n, table + 2 * n, (const int64_t *)(table + 3 * n),
+                        (const int64_t *)(table + 4 * n), n, lbases, lsizes, nl, rbases, rsizes, nr,
+                        inline_limit, 0, NULL, out);
 }
 """
 

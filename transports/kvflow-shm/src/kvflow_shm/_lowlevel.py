@@ -36,6 +36,7 @@ __all__ = [
     "ptrace_hint",
     "scratch",
     "transfer",
+    "transfer_table",
     "vm_copy",
 ]
 
@@ -215,6 +216,30 @@ def transfer(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens:
         _NO_LIMIT if inline_limit is None else inline_limit, max_chunk,
         null if stop is None else stop._cell, out,
     )
+    if r >= 0:
+        return r
+    return _failed(lib, -r, write, pid, out)
+
+
+def transfer_table(pid: int, write: bool, table: np.ndarray, lregions: Regions, rregions: Regions,
+                   inline_limit: int, out: Any) -> int:
+    """:func:`transfer` of a (5, n) uint64 table (``RunBatch.table``), in one call and one buffer:
+    the path of small batches copied on the event loop's thread. ``out``: a :func:`scratch`."""
+    ffi, lib = _ffi, _lib
+    if lib is None:
+        ffi, lib = _native()
+    shape = table.shape
+    if len(shape) != 2 or shape[0] != 5 or shape[1] == 0:
+        raise LLMParamInvalid(f"expected a non-empty (5, n) run table, got shape {shape}")
+    n = shape[1]
+    try:
+        if table.dtype is not _U64:
+            raise TypeError
+        buf = ffi.from_buffer("uint64_t[]", table)
+    except (TypeError, ValueError, BufferError):  # another dtype, or not contiguous
+        buf = ffi.from_buffer("uint64_t[]", np.ascontiguousarray(table, dtype=_U64))
+    r = lib.kvf_transfer_table(pid, 1 if write else 0, buf, n, lregions._cb, lregions._cs, lregions.n,
+                               rregions._cb, rregions._cs, rregions.n, inline_limit, out)
     if r >= 0:
         return r
     return _failed(lib, -r, write, pid, out)
