@@ -194,7 +194,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                 await dd.pull_kv_blocks(ci, cache, [i % 256], [(i * 7) % 256])
                 if i >= 200:
                     lat.append(time.perf_counter() - t0)
-            rlat = await asyncio.to_thread(base.latency, lat_iters)
+            rlat = base.latency(lat_iters)  # on this thread: a worker thread adds GIL hand-offs to each reply
             for q, label in ((50, "p50"), (99, "p99")):
                 rows.append(Row(t, f"4 KiB pull {label}", "4 KiB", _pct(lat, q), _pct(rlat, q), "us", base_name))
                 if progress:

@@ -81,6 +81,9 @@ def _object_nbytes(obj: Any) -> int | None:
         return None
 
 
+SMALL_RUNS = 8  # run lists up to this long are handled with Python ints, longer ones with numpy
+
+
 @dataclass
 class LocalCache:
     """A cache registered here, with its regions and the count of peer operations using it."""
@@ -107,6 +110,8 @@ class LocalCache:
         self._starts_list: list[int] = self.starts.tolist()
         self._sizes_list: list[int] = self.sizes.tolist()
         self._order_list: list[int] = self.order.tolist()
+        self._addr_list: list[int] = addrs.tolist()
+        self._views = [r.view for r in self.regions]
 
     @property
     def cache_id(self) -> int:
@@ -120,9 +125,6 @@ class LocalCache:
         """Index of the region holding each run; raises LLMParamInvalid if any run leaves its region."""
         if addrs.size == 0:
             raise LLMParamInvalid("empty run list")
-        if addrs.size <= 4:
-            return np.array([self._locate_one(a, n) for a, n in zip(addrs.tolist(), lens.tolist())],
-                            dtype=np.int64)
         pos = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
         ok = pos >= 0
         posc = np.where(ok, pos, 0)
@@ -144,12 +146,18 @@ class LocalCache:
             raise LLMParamInvalid(f"run {addr:#x}+{length} is outside cache {self.cache_id}")
         return self._order_list[pos]
 
+    def check_host(self) -> None:
+        """LLMParamInvalid unless the cache is host memory (which a socket can read and write)."""
+        if self.regions[0].view is None:
+            raise LLMParamInvalid(f"cache {self.cache_id} is device memory; this transport needs host memory")
+
     def views(self, addrs: np.ndarray, lens: np.ndarray, tensors: np.ndarray | None = None) -> list[memoryview]:
         """Byte views of the given runs. Without ``tensors`` (each run's tensor index, as planned
         locally) every run is first checked to lie inside a registered tensor."""
+        if addrs.size <= SMALL_RUNS:
+            return self.views_small(addrs.tolist(), lens.tolist(), None if tensors is None else tensors.tolist())
         idx = self.locate(addrs, lens) if tensors is None else tensors
-        if self.regions[0].view is None:
-            raise LLMParamInvalid(f"cache {self.cache_id} is device memory; this transport needs host memory")
+        self.check_host()
         starts = addrs - self.addrs[idx]  # offsets inside each run's tensor, computed at once
         ends = (starts + lens).tolist()
         starts = starts.tolist()
@@ -158,6 +166,16 @@ class LocalCache:
             return [v[a:b] for a, b in zip(starts, ends)]
         views = [r.view for r in self.regions]
         return [views[i][a:b] for i, a, b in zip(idx.tolist(), starts, ends)]
+
+    def views_small(self, addrs: list[int], lens: list[int], tensors: list[int] | None = None) -> list[memoryview]:
+        """``views`` of a few runs given as Python ints (no numpy: cheaper below a dozen runs)."""
+        if not addrs:
+            raise LLMParamInvalid("empty run list")
+        if tensors is None:
+            tensors = [self._locate_one(a, n) for a, n in zip(addrs, lens)]
+        self.check_host()
+        bases, views = self._addr_list, self._views
+        return [views[t][a - bases[t] : a - bases[t] + n] for t, a, n in zip(tensors, addrs, lens)]
 
     def pin(self, owner: Any = None) -> None:
         """Count an operation that reads or writes this cache's memory."""

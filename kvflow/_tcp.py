@@ -14,28 +14,36 @@ import logging
 import os
 import socket
 import struct
+import time
 from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
-from ._memory import LocalCache, Registry
+from . import _iov as iov
+from ._iov import IovCursor
+from ._memory import SMALL_RUNS, LocalCache, Registry
 from ._status import LLMException, LLMLinkFailed, LLMParamInvalid, LLMStatusCode, error_for
-from .transport import Endpoint, LinkChannel, RunBatch, Transport
+from .transport import Endpoint, LinkChannel, RunBatch, Transport, TransportContext
 
 log = logging.getLogger("kvflow.tcp")
 
 HDR = struct.Struct("<BBHIQQQ")  # kind, flags, reserved, count, request id, arg, payload bytes
 READ_REQ, READ_RSP, WRITE_REQ, WRITE_RSP = 1, 2, 3, 4
 RUN = np.dtype([("addr", "<u8"), ("len", "<u8")])
-MAX_RUNS = 1 << 14  # runs per frame
-MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame
+MAX_RUNS = 1 << 14  # runs per frame, at most (a peer's frame beyond either bound breaks the link)
+MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame, at most
+FRAME_RUNS = 2048  # what our own frames carry at most: small enough to pipeline, big enough to amortise
+FRAME_BYTES = 64 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 CHUNK_BYTES = 1 << 20  # payload bytes offered to one sendmsg / recvmsg_into
 RECV_BUDGET = 4 << 20  # bytes per readable callback before yielding to the loop
 SEND_BUDGET = 4 << 20
+SMALL_FRAME_BUFS = 16  # frames of at most this many buffers are offered to sendmsg whole at first
+POLL_BYTES = 64 << 10  # requests up to this size make the channel busy-poll for the next frame
+DEFAULT_BUSY_POLL_US = 50
 # Requests one side may have outstanding on a channel (sent, response not wholly received).
 # The sender queues further frames locally (backpressure); a peer that exceeds the bound
 # breaks the protocol and loses the link. This bounds the memory a peer can make us hold.
@@ -47,39 +55,42 @@ _ST_HDR, _ST_RUNS, _ST_PAYLOAD, _ST_DISCARD = range(4)
 _OP_BACKLOG, _OP_OUT, _OP_DONE = range(3)
 
 
-def _run_table(addrs: np.ndarray, lens: np.ndarray) -> memoryview | bytes:
-    """The wire form of a run list: (address, length) uint64 pairs, little-endian."""
-    n = addrs.size
-    if n <= 4:
-        return struct.pack(f"<{2 * n}Q", *[v for pair in zip(addrs.tolist(), lens.tolist()) for v in pair])
+def _wire(batch: RunBatch) -> tuple[Payload, bytes | memoryview, int]:
+    """One frame's local side, the wire form of its remote runs ((address, length) uint64 pairs,
+    little-endian) and its payload bytes."""
+    n = len(batch)
+    if n <= SMALL_RUNS:  # Python ints: cheaper than numpy for a few runs
+        la, ra, ln, lt, _ = batch.table.tolist()
+        pairs = [v for pair in zip(ra, ln) for v in pair]
+        return batch.local_cache.views_small(la, ln, lt), struct.pack(f"<{2 * n}Q", *pairs), sum(ln)
     table = np.empty(n, dtype=RUN)
-    table["addr"] = addrs
-    table["len"] = lens
-    return table.view(np.uint8).data
+    table["addr"] = batch.remote_addrs
+    table["len"] = batch.lengths
+    return _payload(batch), table.view(np.uint8).data, batch.nbytes
 
 
 def _frames(batch: RunBatch) -> list[RunBatch]:
-    """``batch`` cut into frames of at most MAX_RUNS runs and MAX_FRAME_BYTES bytes (longer runs are cut)."""
+    """``batch`` cut into frames of at most FRAME_RUNS runs and FRAME_BYTES bytes (longer runs are
+    cut): the peer starts on the first frame while we prepare the next."""
     n = len(batch)
-    lengths = batch.lengths
-    total = int(lengths.sum())
-    if n <= MAX_RUNS and total <= MAX_FRAME_BYTES:
+    if n <= FRAME_RUNS and batch.nbytes <= FRAME_BYTES:
         return [batch]
+    lengths = batch.lengths
     la, ra, lt, rt = batch.local_addrs, batch.remote_addrs, batch.local_tensor, batch.remote_tensor
-    if int(lengths.max()) > MAX_FRAME_BYTES:
+    if int(lengths.max()) > FRAME_BYTES:
         lengths = lengths.astype(np.uint64)
-        pieces = (lengths + np.uint64(MAX_FRAME_BYTES - 1)) // np.uint64(MAX_FRAME_BYTES)
+        pieces = (lengths + np.uint64(FRAME_BYTES - 1)) // np.uint64(FRAME_BYTES)
         src = np.repeat(np.arange(n), pieces.astype(np.int64))
         first = np.repeat(np.cumsum(pieces) - pieces, pieces.astype(np.int64))
-        off = (np.arange(src.size, dtype=np.uint64) - first.astype(np.uint64)) * np.uint64(MAX_FRAME_BYTES)
-        lengths = np.minimum(lengths[src] - off, np.uint64(MAX_FRAME_BYTES))
+        off = (np.arange(src.size, dtype=np.uint64) - first.astype(np.uint64)) * np.uint64(FRAME_BYTES)
+        lengths = np.minimum(lengths[src] - off, np.uint64(FRAME_BYTES))
         la, ra, lt, rt = la[src] + off, ra[src] + off, lt[src], rt[src]
         n = int(src.size)
     cum = np.cumsum(lengths, dtype=np.uint64)
     out: list[RunBatch] = []
     start, base = 0, 0
     while start < n:
-        end = min(n, start + MAX_RUNS, int(np.searchsorted(cum, base + MAX_FRAME_BYTES, side="right")))
+        end = min(n, start + FRAME_RUNS, int(np.searchsorted(cum, base + FRAME_BYTES, side="right")))
         end = max(end, start + 1)
         out.append(RunBatch(la[start:end], ra[start:end], lengths[start:end], lt[start:end], rt[start:end],
                             batch.local_cache, batch.remote_cache))
@@ -135,6 +146,34 @@ class _Cursor:
         self.pos += n
         self.i = bisect_right(self.ends, self.pos, self.i)
 
+    def send(self, sock: socket.socket) -> tuple[int, int]:
+        """One ``sendmsg`` of the next chunk: (bytes sent, bytes offered)."""
+        chunk, want = self.chunk()
+        return sock.sendmsg(chunk), want
+
+    def recv(self, sock: socket.socket) -> int:
+        return sock.recvmsg_into(self.chunk()[0])[0]
+
+
+#: A frame's payload in local memory: byte views of its runs (few runs), or the checked runs
+#: themselves as (addresses, lengths) for large payloads (see kvflow._iov).
+Payload = Union[list[memoryview], tuple[np.ndarray, np.ndarray]]
+
+
+def _cursor(payload: Payload) -> _Cursor | IovCursor:
+    if isinstance(payload, tuple):
+        return IovCursor(payload[0], payload[1], CHUNK_BYTES)
+    return _Cursor(payload)
+
+
+def _payload(batch: RunBatch) -> Payload:
+    """The local side of a frame of ours: runs planned inside our registered tensors."""
+    local = batch.local_cache
+    if len(batch) > SMALL_RUNS and iov.AVAILABLE:
+        local.check_host()
+        return batch.local_addrs, batch.lengths
+    return local.views(batch.local_addrs, batch.lengths, batch.local_tensor)
+
 
 _NO_CURSOR = _Cursor([])
 
@@ -144,14 +183,20 @@ class _Out:
 
     ``pinned`` is the local cache whose memory the frame's payload reads (unpinned once the
     frame is wholly handed to the kernel or dropped); ``on_done`` runs once, sent or dropped;
-    ``rsp_req`` is the peer's request id for a response to the peer's read."""
+    ``rsp_req`` is the peer's request id for a response to the peer's read. ``bufs`` go first,
+    then ``runs`` (a large payload sent straight from its run table)."""
 
-    __slots__ = ("bufs", "cursor", "idx", "on_done", "op", "pinned", "rsp_req")
+    __slots__ = ("bufs", "cursor", "idx", "on_done", "op", "pinned", "rsp_req", "runs")
 
-    def __init__(self, bufs: list[Any], on_done: Callable[[], None] | None = None, op: _Op | None = None,
-                 pinned: LocalCache | None = None, rsp_req: int | None = None) -> None:
+    def __init__(self, bufs: list[Any], payload: Payload | None = None, on_done: Callable[[], None] | None = None,
+                 op: _Op | None = None, pinned: LocalCache | None = None, rsp_req: int | None = None) -> None:
+        self.runs: tuple[np.ndarray, np.ndarray] | None = None
+        if isinstance(payload, tuple):
+            self.runs = payload
+        elif payload:
+            bufs = [*bufs, *payload]
         self.bufs = bufs
-        self.cursor: _Cursor | None = None
+        self.cursor: _Cursor | IovCursor | None = None
         self.idx = -1  # -1: not started
         self.on_done = on_done
         self.op = op
@@ -164,7 +209,7 @@ class _Op:
 
     __slots__ = ("abandoned", "dests", "kind", "nbytes", "out", "req_id", "runs", "state", "xfer")
 
-    def __init__(self, kind: int, req_id: int, dests: list[memoryview] | None, nbytes: int, runs: int,
+    def __init__(self, kind: int, req_id: int, dests: Payload | None, nbytes: int, runs: int,
                  xfer: _Transfer) -> None:
         self.kind = kind
         self.req_id = req_id
@@ -181,8 +226,11 @@ class TcpChannel:
     """Both directions of one data socket: our requests, the peer's requests, responses."""
 
     def __init__(self, sock: socket.socket, registry: Registry,
-                 on_broken: Callable[[BaseException], None]) -> None:
+                 on_broken: Callable[[BaseException], None], busy_poll: float = 0.0) -> None:
         self._loop = asyncio.get_running_loop()
+        self._busy_poll = busy_poll  # seconds of polling when a small frame is due (see _expect_soon)
+        self._poll_until = 0.0
+        self._polling = False
         self._sock = sock
         self._fd = sock.fileno()
         self._registry = registry
@@ -204,8 +252,8 @@ class TcpChannel:
         self._hdr_mv = memoryview(self._hdr)
         self._got = 0
         self._cur: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
-        self._runs = bytearray()
-        self._runs_mv = memoryview(self._runs)
+        self._runs_small = memoryview(bytearray(SMALL_RUNS * RUN.itemsize))
+        self._runs_mv = self._runs_small[:0]  # the run table being received
         self._rx = _NO_CURSOR
         self._left = 0
         self._on_payload: Callable[[], None] | None = None
@@ -227,26 +275,27 @@ class TcpChannel:
         xfer = _Transfer(self._loop.create_future(), len(parts))
         ops: list[_Op] = []
         local = batch.local_cache
+        nbytes = 0
         for part in parts:
-            views = local.views(part.local_addrs, part.lengths, part.local_tensor)
-            table = _run_table(part.remote_addrs, part.lengths)
-            nbytes = part.nbytes
+            payload, table, nbytes = _wire(part)
             req_id = self._next_id
             self._next_id += 1
             if kind == READ_REQ:
-                op = _Op(READ_REQ, req_id, views, nbytes, len(part), xfer)
+                op = _Op(READ_REQ, req_id, payload, nbytes, len(part), xfer)
                 out = _Out([HDR.pack(READ_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table], op=op)
             else:
                 op = _Op(WRITE_REQ, req_id, None, nbytes, len(part), xfer)
                 # the frame reads local memory until it is wholly sent, even if the caller gives up
                 # meanwhile: the cache stays pinned (unregister waits for it) until then
-                out = _Out([HDR.pack(WRITE_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table, *views],
+                out = _Out([HDR.pack(WRITE_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table], payload,
                            op=op, pinned=local)
                 local.pin(self)
             op.out = out
             ops.append(op)
             self._backlog.append(op)
         self._admit()
+        if len(parts) == 1 and nbytes <= POLL_BYTES:
+            self._expect_soon()
         return xfer, ops
 
     def _admit(self) -> None:
@@ -336,24 +385,41 @@ class TcpChannel:
         while q and budget > 0:
             out = q[0]
             cur = out.cursor
-            if cur is None:
-                cur = out.cursor = _Cursor(out.bufs)
-            chunk, want = cur.chunk()
+            small = cur is None and out.runs is None and len(out.bufs) <= SMALL_FRAME_BUFS
             try:
-                n = sock.sendmsg(chunk)
+                if small:  # a small frame: offer it whole, no cursor unless it is cut short
+                    want = sum(map(len, out.bufs))  # memoryviews here are byte-formatted
+                    n = sock.sendmsg(out.bufs)
+                else:
+                    if cur is None:
+                        cur = out.cursor = _Cursor(out.bufs)
+                    n, want = cur.send(sock)
             except (BlockingIOError, InterruptedError):
+                self._expect_soon()  # the peer is draining the socket: room comes within microseconds
                 break
             except OSError as exc:
                 self._fail(LLMLinkFailed(f"data connection send failed: {exc}"))
                 return
             budget -= n
+            if small:
+                if n == want:  # sent whole
+                    q.popleft()
+                    out.bufs = []
+                    self._dropped(out)
+                    continue
+                cur = out.cursor = _Cursor(out.bufs)
+            assert cur is not None
             cur.advance(n)
-            out.idx = cur.i  # stays -1 until a byte of the frame is sent
+            out.idx = max(out.idx, 0)  # stays -1 until a byte of the frame is sent
             if cur.done:
-                q.popleft()
-                out.bufs = []
-                out.cursor = None
-                self._dropped(out)
+                if out.runs is not None:  # the head is sent: now the payload, from its run table
+                    out.cursor = _cursor(out.runs)
+                    out.runs = None
+                else:
+                    q.popleft()
+                    out.bufs = []
+                    out.cursor = None
+                    self._dropped(out)
             if n < want:
                 break
         if q and not self._writer_on and self._closed is None:
@@ -364,6 +430,27 @@ class TcpChannel:
             self._writer_on = False
 
     # ---------------------------------------------------------------- receiving
+    def _expect_soon(self) -> None:
+        """A frame is due within microseconds (the response to a small request of ours, or the
+        peer's next request after we served one): for up to ``busy_poll`` seconds, read the
+        socket from a loop callback instead of letting the loop sleep in epoll. Waking a sleeping
+        process costs tens of microseconds on a VM; other callbacks still run in between."""
+        if self._busy_poll <= 0.0:
+            return
+        self._poll_until = time.perf_counter() + self._busy_poll
+        if not self._polling:
+            self._polling = True
+            self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        if self._closed is not None or time.perf_counter() > self._poll_until:
+            self._polling = False
+            return
+        self._on_readable()
+        if self._sendq:
+            self._flush()
+        self._loop.call_soon(self._poll)
+
     def _on_readable(self) -> None:
         sock = self._sock
         budget = RECV_BUDGET
@@ -386,7 +473,7 @@ class TcpChannel:
                     if n == 0:
                         raise ConnectionResetError("peer closed the data connection")
                     self._got += n
-                    if self._got == len(self._runs):
+                    if self._got == len(self._runs_mv):
                         self._got = 0
                         self._on_runs()
                         if self._state == _ST_HDR:
@@ -398,7 +485,7 @@ class TcpChannel:
                         self._payload_op = None
                         continue
                     cur = self._rx
-                    n = sock.recvmsg_into(cur.chunk()[0])[0]
+                    n = cur.recv(sock)
                     if n == 0:
                         raise ConnectionResetError("peer closed the data connection")
                     budget -= n
@@ -416,13 +503,15 @@ class TcpChannel:
                     if self._left == 0:
                         self._payload_done()
         except (BlockingIOError, InterruptedError):
+            if self._state != _ST_HDR:  # in the middle of a frame: the rest is on its way
+                self._expect_soon()
             return
         except LLMException as exc:
             self._fail(exc)
         except OSError as exc:
             self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
 
-    def _expect_payload(self, dests: list[memoryview] | None, nbytes: int, done: Callable[[], None],
+    def _expect_payload(self, dests: Payload | None, nbytes: int, done: Callable[[], None],
                         op: _Op | None = None, pin: LocalCache | None = None, req_id: int = 0) -> None:
         self._left = nbytes
         self._on_payload = done
@@ -435,7 +524,7 @@ class TcpChannel:
         elif dests is None:
             self._state = _ST_DISCARD
         else:
-            self._rx = _Cursor(dests)
+            self._rx = _cursor(dests)
             self._state = _ST_PAYLOAD
 
     def _payload_done(self) -> None:
@@ -465,8 +554,10 @@ class TcpChannel:
                                      "outstanding")
             self._serving_frames += 1
             self._serving_runs += count
-            self._runs = bytearray(count * RUN.itemsize)
-            self._runs_mv = memoryview(self._runs)
+            if count <= SMALL_RUNS:  # reuse one small buffer: most requests are a few runs
+                self._runs_mv = self._runs_small[: count * RUN.itemsize]
+            else:
+                self._runs_mv = memoryview(bytearray(count * RUN.itemsize))
             self._got = 0
             self._state = _ST_RUNS
         elif kind == READ_RSP:
@@ -504,13 +595,24 @@ class TcpChannel:
         else:
             self._protocol_error(f"unknown frame kind {kind}")
 
-    def _check(self, cache_id: int, table: np.ndarray, total: int) -> tuple[LocalCache, list[memoryview]]:
+    def _check(self, cache_id: int, count: int, total: int) -> tuple[LocalCache, Payload]:
+        """The named cache and the runs of the peer's request in it, every run checked."""
         local = self._registry.get(cache_id)
-        addrs = table["addr"]
-        lens = table["len"]
+        if count <= SMALL_RUNS:
+            pairs = struct.unpack_from(f"<{2 * count}Q", self._runs_mv)
+            addrs, lens = list(pairs[0::2]), list(pairs[1::2])
+            if sum(lens) != total:
+                raise LLMParamInvalid("run lengths do not add up to the payload size")
+            return local, local.views_small(addrs, lens)
+        table = np.frombuffer(self._runs_mv, dtype=RUN, count=count)
+        addrs, lens = table["addr"], table["len"]  # a large table has a buffer of its own
         if int(lens.sum(dtype=np.uint64)) != total:
             raise LLMParamInvalid("run lengths do not add up to the payload size")
-        return local, local.views(addrs, lens)
+        if not iov.AVAILABLE:
+            return local, local.views(addrs, lens)
+        local.locate(addrs, lens)  # raises unless every run lies inside one registered tensor
+        local.check_host()
+        return local, (addrs, lens)
 
     def _served(self, runs: int) -> Callable[[], None]:
         """What runs once the response to a peer's request of ``runs`` runs is wholly sent."""
@@ -526,13 +628,10 @@ class TcpChannel:
 
     def _on_runs(self) -> None:
         kind, count, req_id, cache_id, total = self._cur
-        table = np.frombuffer(self._runs, dtype=RUN, count=count)
-        self._runs = bytearray()
-        self._runs_mv = memoryview(self._runs)
         self._state = _ST_HDR
         served = self._served(count)
         try:
-            local, views = self._check(cache_id, table, total)
+            local, views = self._check(cache_id, count, total)
         except LLMException as exc:
             status = int(exc.status_code)
             log.debug("refusing peer request %d on cache %d: %s", req_id, cache_id, exc)
@@ -542,8 +641,10 @@ class TcpChannel:
                 self._expect_payload(None, total, self._write_rsp(req_id, status, served))
             return
         local.pin(self)
+        if total <= POLL_BYTES:
+            self._expect_soon()
         if kind == READ_REQ:
-            self._send(_Out([HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, total), *views], on_done=served,
+            self._send(_Out([HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, total)], views, on_done=served,
                             pinned=local, rsp_req=req_id))
         else:
             rsp = self._write_rsp(req_id, 0, served)
@@ -621,6 +722,7 @@ class TcpChannel:
                     cut = True
                 else:
                     out.bufs = [HDR.pack(READ_RSP, 0, 0, 0, out.rsp_req, code, 0)]
+                    out.runs = None
                     local.unpin(self)
                     out.pinned = None
             elif out.op is not None and out.op.abandoned and out.idx >= 0:
@@ -673,6 +775,17 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        raw = ctx.options.get("kvflow.tcp.BusyPollUs", str(DEFAULT_BUSY_POLL_US))
+        try:
+            us = int(raw)
+        except ValueError:
+            us = -1
+        if not 0 <= us <= 100_000:
+            raise LLMParamInvalid(f"option kvflow.tcp.BusyPollUs={raw!r}: expected microseconds in 0..100000")
+        self.busy_poll = us / 1e6
+
     async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:
         sock = await channel.open_stream()
-        return TcpEndpoint(TcpChannel(sock, self.ctx.registry, channel.broken))
+        return TcpEndpoint(TcpChannel(sock, self.ctx.registry, channel.broken, self.busy_poll))

@@ -1,0 +1,165 @@
+"""The small-transfer fast path: run tables, the cheap deadline, busy polling on TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from kvflow import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmDataDist, LLMParamInvalid, LlmRole
+from kvflow._deadline import Deadline
+from kvflow._memory import LocalCache, Registry
+from kvflow.transport import Endpoint, RemoteCache, RunBatch
+
+from ._peer import PEER_CLUSTER
+from .conftest import LOCAL_CLUSTER, Peer, start_peer
+
+
+# ---------------------------------------------------------------------- Deadline
+@pytest.mark.asyncio
+async def test_deadline_fires_and_is_told_apart_from_other_cancels() -> None:
+    loop = asyncio.get_running_loop()
+
+    async def wait(delay: float, outer_cancel: bool) -> str:
+        d = Deadline(loop, delay)
+        try:
+            if outer_cancel:
+                asyncio.current_task().cancel()  # type: ignore[union-attr]
+            await asyncio.sleep(1)
+            return "finished"
+        except asyncio.CancelledError:
+            if d.stop():
+                return "timed out"
+            raise
+        finally:
+            d.stop()
+
+    t0 = time.monotonic()
+    assert await wait(0.02, False) == "timed out"
+    assert time.monotonic() - t0 < 0.5
+    task = asyncio.ensure_future(wait(5, True))  # somebody else's cancel stays a cancel
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # our timeout withdraws only its own request: the task is not left marked as cancelling
+    inner = asyncio.ensure_future(wait(0.01, False))
+    assert await inner == "timed out" and inner.cancelling() == 0
+
+
+@pytest.mark.asyncio
+async def test_deadline_stopped_in_time_never_fires() -> None:
+    loop = asyncio.get_running_loop()
+    d = Deadline(loop, 0.01)
+    assert d.stop() is False
+    await asyncio.sleep(0.05)  # would have fired by now
+    assert d.expired is False and d.stop() is False
+
+
+# ---------------------------------------------------------------------- RunBatch
+def _caches() -> tuple[LocalCache, RemoteCache]:
+    desc = CacheDesc(2, DataType.DT_UINT8, [4, 16])
+    local = Registry().add(desc, [np.zeros(64, np.uint8), np.zeros(64, np.uint8)])
+    return local, RemoteCache(1, 7, desc, ())
+
+
+def test_run_batch_is_one_table_with_row_views() -> None:
+    local, remote = _caches()
+    la = np.array([10, 20, 30], dtype=np.uint64)
+    ra = la + np.uint64(1000)
+    lens = np.array([1, 2, 3], dtype=np.uint64)
+    lt = np.array([0, 1, 0], dtype=np.int64)
+    rt = np.array([1, 1, 0], dtype=np.int64)
+    b = RunBatch(la, ra, lens, lt, rt, local, remote)
+    assert b.table.shape == (5, 3) and b.table.dtype == np.uint64 and b.table.flags.c_contiguous
+    assert RunBatch.ROWS == ("local_addrs", "remote_addrs", "lengths", "local_tensor", "remote_tensor")
+    for name, want in zip(RunBatch.ROWS, (la, ra, lens, lt, rt)):
+        got = getattr(b, name)
+        assert got.tolist() == want.tolist() and got.dtype == want.dtype
+    assert len(b) == 3 and b.nbytes == 6
+    part = b[1:]
+    assert part.local_addrs.tolist() == [20, 30] and part.table.flags.c_contiguous
+    assert part.local_cache is local and part.remote_cache is remote
+    same = RunBatch.of_table(b.table, local, remote)
+    assert same.table is b.table
+    big = RunBatch.of_table(np.ones((5, 100), dtype=np.uint64), local, remote)
+    assert big.nbytes == 100  # the numpy sum path (more than 64 runs)
+
+
+def test_endpoint_fast_path_is_optional() -> None:
+    class Slow(Endpoint):
+        async def read(self, batch: RunBatch) -> None: ...
+        async def write(self, batch: RunBatch) -> None: ...
+
+    local, remote = _caches()
+    b = RunBatch.of_table(np.zeros((5, 1), dtype=np.uint64), local, remote)
+    assert Slow().read_now(b) is False and Slow().write_now(b) is False
+
+
+def test_small_views_check_every_run() -> None:
+    local, _ = _caches()
+    base = local.regions[1].addr
+    views = local.views_small([base + 4], [8])
+    assert len(views) == 1 and len(views[0]) == 8
+    for addr, n in [(base + 60, 8), (base - 1, 1), (base, 0), (base + 64, 1)]:
+        with pytest.raises(LLMParamInvalid):
+            local.views_small([addr], [n])
+
+
+# ---------------------------------------------------------------------- TCP busy polling
+@pytest_asyncio.fixture
+async def tcp_peer() -> AsyncIterator[Peer]:
+    peer = start_peer("tcp")
+    try:
+        yield peer
+    finally:
+        peer.proc.stop()
+
+
+async def _linked(peer: Peer, **options: str) -> LlmDataDist:
+    dd = LlmDataDist(LOCAL_CLUSTER, LlmRole.DECODER)
+    await dd.initialize({**peer.options, **options})
+    assert await dd.link_llm_clusters([ClusterInfo(PEER_CLUSTER, [IpInfo(*peer.address)])], 5000) == [0]
+    return dd
+
+
+def _channel(dd: LlmDataDist) -> Any:
+    return dd._links[PEER_CLUSTER].endpoint._ch  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_busy_poll_option_is_checked() -> None:
+    for bad in ("x", "-1", "100001"):
+        dd = LlmDataDist(3, LlmRole.DECODER)
+        with pytest.raises(LLMParamInvalid, match=r"kvflow\.tcp\.BusyPollUs"):
+            await dd.initialize({"kvflow.Transports": "tcp", "kvflow.tcp.BusyPollUs": bad})
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("poll_us", ["50", "0"])
+async def test_busy_poll_is_bounded_and_can_be_off(tcp_peer: Peer, poll_us: str) -> None:
+    """Small transfers make the channel poll for the next frame; it stops by itself once traffic
+    stops (no CPU burnt while idle), and BusyPollUs=0 never polls."""
+    desc = CacheDesc(1, DataType.DT_UINT8, [16, 4096])
+    rid = await tcp_peer.register(desc, seed=5)
+    want = (await tcp_peer.read(rid))[0].reshape(16, 4096)
+    dd = await _linked(tcp_peer, **{"kvflow.tcp.BusyPollUs": poll_us})
+    try:
+        buf = np.zeros(16 * 4096, np.uint8)
+        cache = await dd.register_kv_cache(desc, [buf])
+        ch = _channel(dd)
+        polled = False
+        for i in range(50):
+            await dd.pull_kv_blocks(CacheIndex(PEER_CLUSTER, rid), cache, [i % 16], [(i * 3) % 16])
+            polled |= ch._polling
+        assert np.array_equal(buf.reshape(16, 4096)[(49 * 3) % 16], want[49 % 16])
+        assert polled is (poll_us != "0")
+        cpu0 = time.process_time()
+        await asyncio.sleep(0.3)
+        assert not ch._polling
+        assert time.process_time() - cpu0 < 0.1  # idle: the loop sleeps again
+    finally:
+        await dd.finalize()
