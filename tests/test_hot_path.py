@@ -163,3 +163,44 @@ async def test_busy_poll_is_bounded_and_can_be_off(tcp_peer: Peer, poll_us: str)
         assert time.process_time() - cpu0 < 0.1  # idle: the loop sleeps again
     finally:
         await dd.finalize()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("iov_path", [True, False])
+async def test_large_frames_with_and_without_the_iovec_path(tcp_peer: Peer, iov_path: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames of many runs go through kvflow._iov (readv/sendmsg from the run table); where libc
+    is not loadable the channel keeps to memoryviews. Both move the same bytes (this side only:
+    the peer process keeps its default)."""
+    import kvflow._iov as iov
+
+    monkeypatch.setattr(iov, "AVAILABLE", iov_path and iov.AVAILABLE)
+    calls = {"recv": 0, "send": 0}
+    for name in calls:
+        def counted(self: Any, sock: Any, _name: str = name, _orig: Any = getattr(iov.IovCursor, name)) -> Any:
+            calls[_name] += 1
+            return _orig(self, sock)
+        monkeypatch.setattr(iov.IovCursor, name, counted)
+    desc = CacheDesc(2, DataType.DT_UINT8, [64, 1024])
+    rid = await tcp_peer.register(desc, seed=11)
+    want = [a.reshape(64, 1024) for a in await tcp_peer.read(rid)]
+    dd = await _linked(tcp_peer)
+    try:
+        bufs = [np.zeros(64 * 1024, np.uint8) for _ in range(2)]
+        cache = await dd.register_kv_cache(desc, bufs)
+        src = list(range(0, 64, 2))  # 32 blocks x 2 tensors, nothing coalesces: 64 runs per frame
+        dst = [63 - b for b in src]
+        await dd.pull_kv_blocks(CacheIndex(PEER_CLUSTER, rid), cache, src, dst)
+        for t in range(2):
+            got = bufs[t].reshape(64, 1024)
+            assert all(np.array_equal(got[d], want[t][s]) for s, d in zip(src, dst))
+        for t in range(2):
+            bufs[t][:] = 200 + t
+        await dd.push_kv_blocks(cache, CacheIndex(PEER_CLUSTER, rid), dst, src)
+        after = [a.reshape(64, 1024) for a in await tcp_peer.read(rid)]
+        for t in range(2):
+            assert all((after[t][s] == 200 + t).all() for s in src)
+            assert all(np.array_equal(after[t][b], want[t][b]) for b in range(1, 64, 2))  # others untouched
+        assert (calls["recv"] > 0 and calls["send"] > 0) is iov_path, calls
+    finally:
+        await dd.finalize()
