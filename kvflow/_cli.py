@@ -62,7 +62,8 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     total = int(args.size_mib) << 20
     console.print(f"kvflow bench: transports {', '.join(names)}; {args.size_mib} MiB per transfer, "
-                  f"best of {args.repeat}; baselines measured in the same run between the same two processes")
+                  f"best of {args.repeat} after a warm-up; baselines measured in the same run between the same two "
+                  "processes")
     rows = main_bench(names, total, args.repeat)
     table = Table(title="kvflow vs raw baseline (ratio: higher is better for kvflow)")
     for col in ("transport", "op", "block", "kvflow", "baseline", "baseline figure", "ratio"):

@@ -16,6 +16,8 @@ import ctypes
 import errno
 import os
 import socket
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -56,9 +58,9 @@ AVAILABLE = _FUNCS is not None
 def _raise(op: str) -> None:
     err = ctypes.get_errno()
     if err in (errno.EAGAIN, errno.EWOULDBLOCK):
-        raise BlockingIOError(err, os.strerror(err))
+        raise BlockingIOError  # the common case while polling: no message to build
     if err == errno.EINTR:
-        raise InterruptedError(err, os.strerror(err))
+        raise InterruptedError
     raise OSError(err, f"{op}: {os.strerror(err)}")
 
 
@@ -66,17 +68,18 @@ class IovCursor:
     """A position in a table of runs (address, length); each syscall takes up to IOV_MAX of them
     and about ``chunk_bytes``, straight from the table. Same interface as the channel's list cursor."""
 
-    __slots__ = ("_addrs", "_base", "_ends", "_hdr", "_iov", "_lens", "chunk_bytes", "i", "n", "pos")
+    __slots__ = ("_addrs", "_base", "_ends", "_hdr", "_iov", "_lens", "_slots", "chunk_bytes", "i", "n", "pos")
 
     def __init__(self, addrs: np.ndarray, lens: np.ndarray, chunk_bytes: int) -> None:
         n = int(lens.size)
-        self._addrs = np.asarray(addrs, dtype=np.uint64)
-        self._lens = np.asarray(lens, dtype=np.uint64)
-        self._iov = np.empty((n, 2), dtype=np.uint64)  # struct iovec {void *base; size_t len;}
-        self._iov[:, 0] = self._addrs
-        self._iov[:, 1] = self._lens
+        self._iov = np.empty(2 * n, dtype=np.uint64)  # struct iovec {void *base; size_t len;}[n]
+        self._iov[0::2] = addrs
+        self._iov[1::2] = lens
+        self._slots = memoryview(self._iov)  # sets one field without a numpy call
         self._base = int(self._iov.ctypes.data)
-        self._ends = np.cumsum(self._lens, dtype=np.uint64)
+        self._addrs: list[int] = self._iov[0::2].tolist()
+        self._lens: list[int] = self._iov[1::2].tolist()
+        self._ends = list(accumulate(self._lens))  # bisect on a list beats numpy on one value
         self._hdr = _MsgHdr()
         self.chunk_bytes = chunk_bytes
         self.n = n
@@ -87,16 +90,16 @@ class IovCursor:
     def done(self) -> bool:
         return self.i >= self.n
 
-    def _window(self) -> tuple[int, int]:
-        i = self.i
-        j = int(np.searchsorted(self._ends, self.pos + self.chunk_bytes, side="left")) + 1
-        return i, min(j, i + IOV_MAX, self.n)
+    def _window(self) -> int:
+        """The end (exclusive) of the runs the next syscall takes, from ``i``."""
+        j = bisect_left(self._ends, self.pos + self.chunk_bytes, self.i) + 1
+        return min(j, self.i + IOV_MAX, self.n)
 
     def recv(self, sock: socket.socket) -> int:
         """``readv`` into the next runs; 0 means the peer closed; BlockingIOError when nothing waits."""
         assert _FUNCS is not None
-        i, j = self._window()
-        n = _FUNCS[0](sock.fileno(), self._base + 16 * i, j - i)
+        i = self.i
+        n = _FUNCS[0](sock.fileno(), self._base + 16 * i, self._window() - i)
         if n < 0:
             _raise("readv")
         return n
@@ -105,19 +108,20 @@ class IovCursor:
         """``sendmsg`` (MSG_NOSIGNAL) from the next runs: (bytes sent, bytes offered);
         BlockingIOError when the socket is full."""
         assert _FUNCS is not None
-        i, j = self._window()
+        i, j = self.i, self._window()
         hdr = self._hdr
         hdr.msg_iov = self._base + 16 * i
         hdr.msg_iovlen = j - i
         n = _FUNCS[1](sock.fileno(), ctypes.byref(hdr), _MSG_NOSIGNAL)
         if n < 0:
             _raise("sendmsg")
-        return n, int(self._ends[j - 1]) - self.pos
+        return n, self._ends[j - 1] - self.pos
 
     def advance(self, n: int) -> None:
-        self.pos += n
-        i = self.i = int(np.searchsorted(self._ends, self.pos, side="right"))
+        pos = self.pos = self.pos + n
+        i = self.i = bisect_right(self._ends, pos, self.i)
         if i < self.n:  # run i may be partly done: its iovec starts at the first byte left
-            off = self.pos - (int(self._ends[i - 1]) if i else 0)
-            self._iov[i, 0] = int(self._addrs[i]) + off
-            self._iov[i, 1] = int(self._lens[i]) - off
+            off = pos - (self._ends[i - 1] if i else 0)
+            if off:
+                self._slots[2 * i] = self._addrs[i] + off
+                self._slots[2 * i + 1] = self._lens[i] - off

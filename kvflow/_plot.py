@@ -47,8 +47,10 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
     else:
         ax, axl = fig.subplots(1, 1), None
     series: dict[tuple[str, str], list[Any]] = {}
+    extra: dict[tuple[str, str], list[Any]] = {}  # second baselines of a row (e.g. raw socket, scattered)
     for r in thr:
-        series.setdefault((r.transport, r.op), []).append(r)
+        second = getattr(r, "baseline", "").endswith(", scattered")
+        (extra if second else series).setdefault((r.transport, r.op), []).append(r)
     colors = matplotlib.colormaps["tab10"].colors
     sizes: set[int] = set()
     for i, ((transport, op), rs) in enumerate(sorted(series.items())):
@@ -62,6 +64,9 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
         for r, x in zip(rs, xs, strict=True):
             if "scattered" in r.block:
                 ax.plot([x], [r.kvflow], "o", markersize=11, markerfacecolor="none", color=color)
+        for r in extra.get((transport, op), []):
+            ax.plot([block_bytes(r.block)], [r.raw], "x", markersize=9, color=color,
+                    label=f"{r.baseline} ({transport} {op})")
     if sizes:
         ax.set_xscale("log", base=2)
         ticks = sorted(sizes)
