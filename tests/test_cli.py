@@ -46,6 +46,9 @@ def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
     ops = {(row["op"], row["block"]) for row in rows}
     assert ("pull", "16 KiB scattered") in ops and ("push", "4 MiB") in ops and ("4 KiB pull p50", "4 KiB") in ops
     assert all(row["kvflow"] > 0 and row["raw"] > 0 for row in rows)
+    scattered = [row for row in rows if row["baseline"] == "raw socket, scattered"]
+    assert {row["op"] for row in scattered} == {"pull", "push"}
+    assert all(row["block"] == "16 KiB scattered" for row in scattered)
 
 
 def test_ruff_clean() -> None:
