@@ -25,7 +25,6 @@ import numpy as np
 from ._plan import Plan, layer_tensors
 from ._status import LLMException, LLMFailed, LLMParamInvalid, LLMStatusCode, LLMTimeoutError
 from ._types import CacheIndex, KvCacheExtParam, LayerRange
-from .transport import RunBatch
 
 if TYPE_CHECKING:
     from ._datadist import LlmDataDist
@@ -526,7 +525,7 @@ class CacheTask:
                 return
             k0, k1 = d.sent, d.ready  # every layer that is ready and not yet sent, in one batch
             a, b = bounds[k0], bounds[k1]
-            batch = RunBatch.of_table(np.ascontiguousarray(plan.table[:, a:b]), self._local, remote)
+            batch = plan.batch(self._local, remote)[a:b]
             remaining = self._deadline - loop.time()
             if remaining <= 0:
                 raise self._timeout(f"layers {d.layers[k0]}..{d.layers[k1 - 1]} were not sent")

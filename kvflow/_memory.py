@@ -90,6 +90,8 @@ class LocalCache:
 
     cache: Cache
     regions: list[Region]
+    cache_id: int = field(init=False)
+    desc: CacheDesc = field(init=False)
     addrs: np.ndarray = field(init=False)  # start address of each tensor, in tensor order
     starts: np.ndarray = field(init=False)
     sizes: np.ndarray = field(init=False)
@@ -101,6 +103,8 @@ class LocalCache:
     descs: dict[str, list[bytes | None]] = field(default_factory=dict)  # per transport, for peers
 
     def __post_init__(self) -> None:
+        self.cache_id = self.cache.cache_id  # attributes, not properties: read on every transfer
+        self.desc = self.cache.cache_desc
         addrs = np.array([r.addr for r in self.regions], dtype=np.uint64)
         self.addrs = addrs
         self.addrs.flags.writeable = False
@@ -113,13 +117,6 @@ class LocalCache:
         self._addr_list: list[int] = addrs.tolist()
         self._views = [r.view for r in self.regions]
 
-    @property
-    def cache_id(self) -> int:
-        return self.cache.cache_id
-
-    @property
-    def desc(self) -> CacheDesc:
-        return self.cache.cache_desc
 
     def locate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Index of the region holding each run; raises LLMParamInvalid if any run leaves its region."""
