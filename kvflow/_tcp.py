@@ -395,8 +395,7 @@ class TcpChannel:
                         cur = out.cursor = _Cursor(out.bufs)
                     n, want = cur.send(sock)
             except (BlockingIOError, InterruptedError):
-                self._expect_soon()  # the peer is draining the socket: room comes within microseconds
-                break
+                break  # the writer callback resumes once the socket has room
             except OSError as exc:
                 self._fail(LLMLinkFailed(f"data connection send failed: {exc}"))
                 return
@@ -447,8 +446,6 @@ class TcpChannel:
             self._polling = False
             return
         self._on_readable()
-        if self._sendq:
-            self._flush()
         self._loop.call_soon(self._poll)
 
     def _on_readable(self) -> None:
@@ -503,8 +500,6 @@ class TcpChannel:
                     if self._left == 0:
                         self._payload_done()
         except (BlockingIOError, InterruptedError):
-            if self._state != _ST_HDR:  # in the middle of a frame: the rest is on its way
-                self._expect_soon()
             return
         except LLMException as exc:
             self._fail(exc)
