@@ -799,7 +799,7 @@ class LlmDataDist:
                                 planner: Callable[[RemoteCache], Plan], timeout: float) -> RunBatch:
         """The rest of ``_transfer``: look the peer's cache up if need be, plan, run the batch."""
         local.pin()
-        deadline = Deadline(self._loop, timeout)
+        deadline = Deadline(timeout)
         try:
             if remote is None:
                 remote = await link.remote_cache(ci.cache_id, timeout)

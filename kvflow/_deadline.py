@@ -14,19 +14,19 @@ from typing import Any
 class Deadline:
     """Cancels the current task after ``delay`` seconds unless :meth:`stop` comes first.
 
-    Use as ``d = Deadline(loop, delay)``; ``try: ... except CancelledError: if d.stop(): <timed
-    out>`` and ``finally: d.stop()``."""
+    Use as ``d = Deadline(delay)`` inside a task; ``try: ... except CancelledError: if d.stop():
+    <timed out>`` and ``finally: d.stop()``."""
 
     __slots__ = ("_cancelling", "_handle", "_task", "expired")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
-        task = asyncio.current_task(loop)
+    def __init__(self, delay: float) -> None:
+        task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Deadline must be used inside a task")
         self._task: Any = task
         self._cancelling = task.cancelling() if hasattr(task, "cancelling") else 0
         self.expired = False
-        self._handle: asyncio.TimerHandle | None = loop.call_later(delay, self._expire)
+        self._handle: asyncio.TimerHandle | None = task.get_loop().call_later(delay, self._expire)
 
     def _expire(self) -> None:
         self.expired = True

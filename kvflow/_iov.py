@@ -75,7 +75,7 @@ class IovCursor:
         self._iov = np.empty(2 * n, dtype=np.uint64)  # struct iovec {void *base; size_t len;}[n]
         self._iov[0::2] = addrs
         self._iov[1::2] = lens
-        self._slots = memoryview(self._iov)  # sets one field without a numpy call
+        self._slots = self._iov.data  # a memoryview: sets one field without a numpy call
         self._base = int(self._iov.ctypes.data)
         self._addrs: list[int] = self._iov[0::2].tolist()
         self._lens: list[int] = self._iov[1::2].tolist()

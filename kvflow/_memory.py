@@ -115,7 +115,7 @@ class LocalCache:
         self._sizes_list: list[int] = self.sizes.tolist()
         self._order_list: list[int] = self.order.tolist()
         self._addr_list: list[int] = addrs.tolist()
-        self._views = [r.view for r in self.regions]
+        self._views: list[Any] = [r.view for r in self.regions]  # None for device memory
 
 
     def locate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -158,10 +158,10 @@ class LocalCache:
         starts = addrs - self.addrs[idx]  # offsets inside each run's tensor, computed at once
         ends = (starts + lens).tolist()
         starts = starts.tolist()
-        if len(self.regions) == 1:
-            v = self.regions[0].view
+        views = self._views
+        if len(views) == 1:
+            v = views[0]
             return [v[a:b] for a, b in zip(starts, ends)]
-        views = [r.view for r in self.regions]
         return [views[i][a:b] for i, a, b in zip(idx.tolist(), starts, ends)]
 
     def views_small(self, addrs: list[int], lens: list[int], tensors: list[int] | None = None) -> list[memoryview]:

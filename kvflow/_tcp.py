@@ -254,7 +254,7 @@ class TcpChannel:
         self._cur: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
         self._runs_small = memoryview(bytearray(SMALL_RUNS * RUN.itemsize))
         self._runs_mv = self._runs_small[:0]  # the run table being received
-        self._rx = _NO_CURSOR
+        self._rx: _Cursor | IovCursor = _NO_CURSOR
         self._left = 0
         self._on_payload: Callable[[], None] | None = None
         self._payload_op: _Op | None = None
@@ -595,10 +595,10 @@ class TcpChannel:
         local = self._registry.get(cache_id)
         if count <= SMALL_RUNS:
             pairs = struct.unpack_from(f"<{2 * count}Q", self._runs_mv)
-            addrs, lens = list(pairs[0::2]), list(pairs[1::2])
-            if sum(lens) != total:
+            run_lens = list(pairs[1::2])
+            if sum(run_lens) != total:
                 raise LLMParamInvalid("run lengths do not add up to the payload size")
-            return local, local.views_small(addrs, lens)
+            return local, local.views_small(list(pairs[0::2]), run_lens)
         table = np.frombuffer(self._runs_mv, dtype=RUN, count=count)
         addrs, lens = table["addr"], table["len"]  # a large table has a buffer of its own
         if int(lens.sum(dtype=np.uint64)) != total:

@@ -23,10 +23,8 @@ from .conftest import LOCAL_CLUSTER, Peer, start_peer
 # ---------------------------------------------------------------------- Deadline
 @pytest.mark.asyncio
 async def test_deadline_fires_and_is_told_apart_from_other_cancels() -> None:
-    loop = asyncio.get_running_loop()
-
     async def wait(delay: float, outer_cancel: bool) -> str:
-        d = Deadline(loop, delay)
+        d = Deadline(delay)
         try:
             if outer_cancel:
                 asyncio.current_task().cancel()  # type: ignore[union-attr]
@@ -52,8 +50,7 @@ async def test_deadline_fires_and_is_told_apart_from_other_cancels() -> None:
 
 @pytest.mark.asyncio
 async def test_deadline_stopped_in_time_never_fires() -> None:
-    loop = asyncio.get_running_loop()
-    d = Deadline(loop, 0.01)
+    d = Deadline(0.01)
     assert d.stop() is False
     await asyncio.sleep(0.05)  # would have fired by now
     assert d.expired is False and d.stop() is False
