@@ -3,8 +3,9 @@
 It runs two ``LlmDataDist`` instances in this process, on the running event loop, linked
 over loopback with the transport pinned, and checks through the public API that the
 transport moves exactly the requested bytes: whole slots and block lists, both directions,
-scattered and contiguous, batches larger than ``IOV_MAX`` runs, concurrent transfers on one
-link, a remote cache that does not exist, and a cancelled transfer after which no byte lands.
+scattered and contiguous, single blocks (the batches ``read_now`` may take), batches larger
+than ``IOV_MAX`` runs, concurrent transfers on one link, a remote cache that does not exist,
+and a cancelled transfer after which no byte lands.
 Guard bytes around every registered tensor must stay untouched throughout.
 """
 
@@ -153,6 +154,19 @@ class _Suite:
         for t in range(4):
             want[t].reshape(nb, -1)[[9, 8, 7]] = src.blocks(t)[[1, 2, 3]]
         _same(dst.tensors, want, "push_kv_blocks from the accepting side")
+        # single blocks: the tiny batches a transport may move at once (Endpoint.read_now / write_now)
+        for _ in range(8):
+            s, d = (int(x) for x in self.rng.integers(0, nb, 2))
+            await self.b.pull_kv_blocks(ci, self.handle(dst), [s], [d], timeout_in_millis=_OP_MS)
+            for t in range(4):
+                want[t].reshape(nb, -1)[d] = src.blocks(t)[s]
+            _same(dst.tensors, want, "pull_kv_blocks (one block)")
+            for t in range(4):  # new bytes in that block, then back to the source
+                dst.blocks(t)[d] = want[t].reshape(nb, -1)[d] = self.rng.integers(0, 256, desc.stride, np.uint8)
+            await self.b.push_kv_blocks(self.handle(dst), ci, [d], [s], timeout_in_millis=_OP_MS)
+            for t in range(4):
+                if not np.array_equal(src.blocks(t)[s], dst.blocks(t)[d]):
+                    raise AssertionError("push_kv_blocks (one block): contents differ")
         self.guards("block transfers")
 
     async def many_runs(self) -> None:
