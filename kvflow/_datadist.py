@@ -782,6 +782,7 @@ class LlmDataDist:
                 assert link is not None
                 endpoint = link.check()
                 batch = planner(remote).batch(local, remote)
+                # no pin/begin needed: nothing (an unregister, a peer's "gone") runs during this call
                 if endpoint.read_now(batch) if direction is _PULL else endpoint.write_now(batch):
                     metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
                     return
