@@ -2,9 +2,11 @@
 
 Both ends of a data socket may issue requests. Every frame starts with a 32-byte header
 (kind, count, request id, argument, payload bytes); requests carry a run table of
-(address, length) pairs. Payload bytes go straight between the socket and registered memory
-with ``sendmsg`` / ``recvmsg_into`` on memoryviews: no copy through Python objects. A peer's
-request is checked against the named cache's tensors before a byte is read or written.
+(address, length) pairs. Payload bytes go straight between the socket and registered memory:
+``sendmsg`` / ``recvmsg_into`` on memoryviews for a few runs, ``sendmsg`` / ``readv`` from an
+iovec table for many (``kvflow._iov``); no copy through Python objects. A peer's request is
+checked against the named cache's tensors before a byte is read or written. When a small frame
+is due the channel busy-polls its socket for ``kvflow.tcp.BusyPollUs`` (see ``_expect_soon``).
 """
 
 from __future__ import annotations
