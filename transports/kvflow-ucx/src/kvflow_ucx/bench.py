@@ -5,8 +5,8 @@ the transport's overhead is visible as a ratio. The baseline spawns its own peer
 maps a buffer and progresses its worker whenever its event fd fires (as a kvflow peer does);
 this process issues one batch of block-sized operations and spins on ``ucp_worker_progress``
 until it completes. UCX settings come from the environment (``UCX_TLS`` ...) plus kvflow's
-defaults, exactly as for the transport. ``python -m kvflow_ucx.bench`` prints kvflow-over-ucx
-rows beside raw rows (:func:`compare`).
+defaults, exactly as for the transport. ``python -m kvflow_ucx.bench`` runs ``kvflow bench`` for
+ucx alone (same rows, same code).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from . import _lowlevel as ll
 from ._transport import _ucx_config
 
-__all__ = ["BASELINE_NAME", "RawUcx", "baseline", "compare", "raw_get"]
+__all__ = ["BASELINE_NAME", "RawUcx", "baseline", "raw_get"]
 
 BASELINE_NAME = "raw ucx"
 GiB = 1 << 30
@@ -163,107 +163,19 @@ def raw_get(nbytes: int, block_size: int, *, repeat: int = 3, op: str = "pull",
         raw.close()
 
 
-async def _kvflow_peer(conn: Connection) -> None:
-    """PeerProcess main for :func:`compare`: one touched buffer registered once per block size."""
-    from kvflow import CacheDesc, DataType, LlmDataDist, LlmRole
-    from kvflow._proc import recv_from_parent
-
-    args = conn.recv()
-    total = args["total"]
-    buf = np.ones(total, dtype=np.uint8)
-    async with LlmDataDist(1, LlmRole.PROMPT, options={"llm.ListenIpInfo": "127.0.0.1:0",
-                                                       "kvflow.Transports": "ucx"}) as dd:
-        ids = {}
-        for block in args["blocks"]:
-            desc = CacheDesc(1, DataType.DT_UINT8, [total // block, block])
-            ids[block] = (await dd.register_kv_cache(desc, [buf])).cache_id
-        assert dd.listen_address is not None
-        conn.send({"port": dd.listen_address[1], "caches": ids})
-        await recv_from_parent(conn)
-
-
-async def compare(total: int = 256 << 20, repeat: int = 3, lat_iters: int = 2000,
-                  blocks: tuple[int, ...] = (16 << 10, 256 << 10, 4 << 20)) -> list[dict[str, Any]]:
-    """kvflow over ucx beside the raw baseline, measured in the same run (rows like ``kvflow bench``).
-
-    16 KiB blocks are scattered (shuffled on both sides), larger ones contiguous. The raw baseline
-    runs in a thread so that this process keeps answering the link's heartbeats."""
-    import asyncio
-
-    from kvflow import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmDataDist, LlmRole
-    from kvflow._proc import PeerProcess
-
-    peer = PeerProcess(_kvflow_peer)
-    rows: list[dict[str, Any]] = []
-    raw: RawUcx | None = None
-    try:
-        peer.send({"total": total, "blocks": [*blocks, 4096]})
-        info = await peer.recv(120)
-        buf = np.ones(total, dtype=np.uint8)
-        raw = RawUcx(buf, repeat)
-        async with LlmDataDist(2, LlmRole.DECODER, options={"kvflow.Transports": "ucx"}) as dd:
-            assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", info["port"])])],
-                                              5000) == [0]
-            for block in blocks:
-                desc = CacheDesc(1, DataType.DT_UINT8, [total // block, block])
-                cache = await dd.register_kv_cache(desc, [buf])
-                ci = CacheIndex(1, info["caches"][block])
-                n = total // block
-                scattered = block <= 64 << 10
-                rng = np.random.default_rng(0)
-                src = rng.permutation(n) if scattered else np.arange(n)
-                dst = rng.permutation(n) if scattered else np.arange(n)
-                for op in ("pull", "push"):
-                    times = []
-                    for _ in range(repeat):
-                        t0 = time.perf_counter()
-                        if op == "pull":
-                            await dd.pull_kv_blocks(ci, cache, src, dst, timeout_in_millis=600_000)
-                        else:
-                            await dd.push_kv_blocks(cache, ci, src, dst, timeout_in_millis=600_000)
-                        times.append(time.perf_counter() - t0)
-                    kv = total / min(times) / GiB
-                    rb = await asyncio.to_thread(raw.throughput, total, block, op, scattered)
-                    label = f"{block >> 10} KiB" + (" scattered" if scattered else "")
-                    rows.append({"op": op, "block": label, "kvflow": kv, "raw": rb, "unit": "GiB/s",
-                                 "ratio": kv / rb})
-                await dd.unregister_kv_cache(cache.cache_id)
-            desc = CacheDesc(1, DataType.DT_UINT8, [total // 4096, 4096])
-            cache = await dd.register_kv_cache(desc, [buf])
-            ci = CacheIndex(1, info["caches"][4096])
-            lat = []
-            for i in range(lat_iters + 200):
-                t0 = time.perf_counter()
-                await dd.pull_kv_blocks(ci, cache, [i % 256], [(i * 7) % 256])
-                if i >= 200:
-                    lat.append(time.perf_counter() - t0)
-            rlat = await asyncio.to_thread(raw.latency, lat_iters)
-            for q in (50, 99):
-                k, r = float(np.percentile(lat, q)) * 1e6, float(np.percentile(rlat, q)) * 1e6
-                rows.append({"op": f"4 KiB pull p{q}", "block": "4 KiB", "kvflow": k, "raw": r, "unit": "us",
-                             "ratio": r / k})
-    finally:
-        if raw is not None:
-            raw.close()
-        peer.stop()
-    return rows
-
-
 def _main() -> None:  # pragma: no cover - manual table
     import argparse
 
-    from kvflow._run import run
+    from kvflow._bench import format_rows, main_bench
 
-    ap = argparse.ArgumentParser(description="kvflow over ucx beside a raw UCX baseline")
+    ap = argparse.ArgumentParser(description="kvflow bench --transport ucx: kvflow beside raw UCX")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    tls = os.environ.get("UCX_TLS", "(UCX default)")
-    print(f"UCX_TLS={tls}; {args.size_mib} MiB per transfer; best of {args.repeat}; ratio = kvflow / raw "
-          "(throughput) or raw / kvflow (latency)")
-    for r in run(compare(args.size_mib << 20, args.repeat)):
-        print(f"ucx | {r['op']:<13} | {r['block']:<16} | kvflow {r['kvflow']:8.2f} {r['unit']:<5} | "
-              f"raw ucx {r['raw']:8.2f} {r['unit']:<5} | ratio {r['ratio']:.2f}")
+    print(f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}; {args.size_mib} MiB per transfer; "
+          f"best of {args.repeat} after a warm-up; ratio: kvflow / raw (throughput), raw / kvflow (latency)")
+    for row in format_rows(main_bench(["ucx"], args.size_mib << 20, args.repeat)):
+        print(" | ".join(row))
 
 
 if __name__ == "__main__":  # pragma: no cover
