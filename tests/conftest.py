@@ -24,8 +24,8 @@ from kvflow import (
     available_transports,
 )
 from kvflow._proc import PeerProcess
-
-from ._peer import PEER_CLUSTER, pattern, peer_main
+from kvflow.testing._pair import PREFILL_CLUSTER as PEER_CLUSTER
+from kvflow.testing._pair import _arrays, prefill_main
 
 LOCAL_CLUSTER = 2
 # The API tests are not about liveness (tests/test_reliability.py is): a loaded 2-core CI machine can
@@ -76,7 +76,7 @@ class Peer:
         return value
 
     async def register(self, desc: CacheDesc, seed: int | None = 1000) -> int:
-        return int(await self.call("register", desc.num_tensors, int(desc.data_type), list(desc.shape), seed))
+        return int(await self.call("register", (desc.num_tensors, int(desc.data_type), list(desc.shape)), seed))
 
     async def read(self, cache_id: int) -> list[np.ndarray]:
         return await self.call("read", cache_id)
@@ -85,13 +85,14 @@ class Peer:
 def start_peer(variant: str) -> Peer:
     transport, extra = API_VARIANTS[variant]
     options = {"kvflow.Transports": transport, "llm.SyncKvCacheWaitTime": "5000", **QUIET_HEARTBEAT, **extra}
-    proc = PeerProcess(peer_main)
+    proc = PeerProcess(prefill_main)  # the pytest plugin's prefill child: commands as in kvflow.testing._pair
     proc.send(options)
     deadline = 30.0
     if not proc.conn.poll(deadline):
         proc.stop()
         raise RuntimeError("peer process did not start")
-    address = proc.conn.recv()
+    kind, address = proc.conn.recv()
+    assert kind == "ready", (kind, address)
     return Peer(proc, tuple(address), transport, options)
 
 
@@ -110,8 +111,7 @@ class Pair:
     peer: Peer
 
     async def local_cache(self, desc: CacheDesc, seed: int | None = None) -> tuple[Cache, list[np.ndarray]]:
-        arrs = [pattern(seed + t, desc.tensor_bytes) if seed is not None else np.zeros(desc.tensor_bytes, np.uint8)
-                for t in range(desc.num_tensors)]
+        arrs = _arrays(desc, seed)
         return await self.dd.register_kv_cache(desc, arrs), arrs
 
     def index(self, cache_id: int, batch_index: int = 0) -> CacheIndex:

@@ -17,8 +17,8 @@ from kvflow import (
     LLMParamInvalid,
     LLMStatusCode,
 )
+from kvflow.testing import pattern
 
-from ._peer import pattern
 from .conftest import DESC, LOCAL_CLUSTER, Pair, blocks
 
 pytestmark = pytest.mark.asyncio
@@ -162,8 +162,9 @@ async def test_push_from_the_side_that_did_not_link(pair: Pair) -> None:
     """The peer (server side of the link) pushes into and pulls from our cache."""
     cache, arrs = await pair.local_cache(DESC)
     rid = await pair.peer.register(DESC, seed=1100)
-    await pair.peer.call("push_blocks", rid, LOCAL_CLUSTER, cache.cache_id, [0, 1, 2, 3], [3, 2, 1, 0], None)
-    await pair.peer.call("push_cache", rid, LOCAL_CLUSTER, cache.cache_id, 6, 7, None)
+    ours = (LOCAL_CLUSTER, cache.cache_id)
+    await pair.peer.call("transfer", "push_blocks", rid, ours, [0, 1, 2, 3], [3, 2, 1, 0], None)
+    await pair.peer.call("transfer", "push_cache", rid, (*ours, 7), 6, None, None)  # its slot 6 -> our slot 7
     remote = await pair.peer.read(rid)
     for t in range(DESC.num_tensors):
         got, src = blocks(arrs[t], DESC), blocks(remote[t], DESC)
@@ -173,7 +174,7 @@ async def test_push_from_the_side_that_did_not_link(pair: Pair) -> None:
     for t in range(DESC.num_tensors):
         arrs[t][:] = pattern(5000 + t, DESC.tensor_bytes)
     rid2 = await pair.peer.register(DESC, seed=None)
-    await pair.peer.call("pull_blocks", rid2, LOCAL_CLUSTER, cache.cache_id, [1], [4], None)
+    await pair.peer.call("transfer", "pull_blocks", rid2, ours, [1], [4], None)
     got = await pair.peer.read(rid2)
     assert np.array_equal(blocks(got[0], DESC)[4], blocks(arrs[0], DESC)[1])
 

@@ -16,8 +16,7 @@ from kvflow._deadline import Deadline
 from kvflow._memory import LocalCache, Registry
 from kvflow.transport import Endpoint, RemoteCache, RunBatch
 
-from ._peer import PEER_CLUSTER
-from .conftest import LOCAL_CLUSTER, Peer, start_peer
+from .conftest import LOCAL_CLUSTER, PEER_CLUSTER, Peer, start_peer
 
 
 # ---------------------------------------------------------------------- Deadline
