@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import signal
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Coroutine
 
 AsyncMain = Callable[[Connection], Coroutine[Any, Any, None]]
@@ -50,17 +50,23 @@ class PeerProcess:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Ask the child to stop, wait, then kill it (by its PID) if it is still there."""
-        if self.proc.is_alive():
-            try:
-                self.conn.send("stop")
-            except (OSError, BrokenPipeError):
-                pass
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
-            self.proc.join(timeout)
-        self.conn.close()
-        return self.proc.exitcode
+        return stop_child(self.proc, self.conn, "stop", timeout)
+
+
+def stop_child(proc: BaseProcess, conn: Connection, message: Any = "stop", timeout: float = 10.0) -> int | None:
+    """Send ``message`` to a child process over ``conn``, wait up to ``timeout`` s for it to exit,
+    then kill it (SIGKILL, by its PID) if it is still there; close ``conn``. Its exit code."""
+    if proc.is_alive():
+        try:
+            conn.send(message)
+        except (OSError, BrokenPipeError):
+            pass
+        proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout)
+    conn.close()
+    return proc.exitcode
 
 
 async def recv_from_parent(conn: Connection) -> Any:

@@ -6,6 +6,7 @@ from typing import Any
 
 import _peer
 import pytest
+from kvflow._proc import stop_child
 
 from kvflow_shm import ShmTransport
 
@@ -40,16 +41,7 @@ class Peer:
         return self.call("bytes")
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("exit")
-            except (OSError, EOFError, TimeoutError):
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self.conn.close()
+        stop_child(self.proc, self.conn, ("exit",))
 
 
 @pytest.fixture

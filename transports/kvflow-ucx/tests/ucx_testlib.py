@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kvflow._proc import stop_child
 
 from kvflow_ucx import UcxTransport
 
@@ -71,16 +72,7 @@ class NativePeer:
         self.conn.send(msg)
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send("stop")
-            except OSError:
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self.conn.close()
+        stop_child(self.proc, self.conn)
 
 
 async def datadist_peer(conn: Connection) -> None:

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from kvflow._proc import stop_child
 
 from . import _lowlevel as ll
 
@@ -70,12 +71,7 @@ def raw_readv(nbytes: int, block_size: int, *, iters: int = 200, scattered: bool
             copy(*args)
             times[i] = clock() - t0
     finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
+        stop_child(proc, parent)
     p50 = float(np.percentile(times, 50))
     return {"nbytes": nbytes, "block_size": block_size, "runs": n, "iters": iters,
             "p50_us": p50 * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6, "gbps": nbytes / p50 / 1e9}
@@ -215,12 +211,7 @@ def shm_vs_raw(nbytes: int, block_size: int, *, iters: int = 30, seed: int = 0,
             raise TimeoutError("benchmark peer did not start")
         raw_p50, shm_p50 = asyncio.run(client(*parent.recv()))
     finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
+        stop_child(proc, parent)
     return {"nbytes": nbytes, "block_size": block_size, "raw_p50_us": raw_p50 * 1e6, "shm_p50_us": shm_p50 * 1e6}
 
 

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from kvflow._proc import stop_child
 
 from . import _lowlevel as ll
 from ._transport import _ucx_config
@@ -131,15 +132,7 @@ class RawUcx:
         return out
 
     def close(self) -> None:
-        try:
-            self.conn.send("stop")
-        except (OSError, BrokenPipeError):
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self.conn.close()
+        stop_child(self.proc, self.conn)
 
 
 def baseline(pid: int, buf: np.ndarray, repeat: int, remote_addr: int | None = None) -> RawUcx:
