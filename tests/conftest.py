@@ -25,7 +25,7 @@ from kvflow import (
 )
 from kvflow._proc import PeerProcess
 from kvflow.testing._pair import PREFILL_CLUSTER as PEER_CLUSTER
-from kvflow.testing._pair import _arrays, prefill_main
+from kvflow.testing._pair import _arrays, _desc_args, command, prefill_main
 
 LOCAL_CLUSTER = 2
 # The API tests are not about liveness (tests/test_reliability.py is): a loaded 2-core CI machine can
@@ -67,16 +67,10 @@ class Peer:
         self.options = options  # what both sides pass to initialize
 
     async def call(self, op: str, *args: Any, timeout: float = 30.0) -> Any:
-        self.proc.send((op, args))
-        kind, value = await self.proc.recv(timeout)
-        if kind == "err":
-            raise value
-        if kind == "crash":
-            raise AssertionError(f"peer crashed:\n{value}")
-        return value
+        return await command(self.proc, op, *args, timeout=timeout)
 
     async def register(self, desc: CacheDesc, seed: int | None = 1000) -> int:
-        return int(await self.call("register", (desc.num_tensors, int(desc.data_type), list(desc.shape)), seed))
+        return int(await self.call("register", _desc_args(desc), seed))
 
     async def read(self, cache_id: int) -> list[np.ndarray]:
         return await self.call("read", cache_id)

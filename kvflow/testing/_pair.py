@@ -139,6 +139,18 @@ async def _command(dd: LlmDataDist, arrays: dict[int, list[np.ndarray]], caches:
     raise ValueError(f"unknown command {op!r}")
 
 
+async def command(child: PeerProcess, op: str, *args: Any, timeout: float = 30.0) -> Any:
+    """Send one command to a :func:`prefill_main` child and return its answer; the child's
+    ``LLMException`` is raised here, typed; a crash there is an AssertionError with its traceback."""
+    child.send((op, args))
+    kind, value = await child.recv(timeout)
+    if kind == "err":
+        raise value
+    if kind == "crash":
+        raise AssertionError(f"the prefill child process failed:\n{value}")
+    return value
+
+
 # ---------------------------------------------------------------------- the parent (decode side)
 class KvPair:
     """A local decode ``LlmDataDist`` linked to a prefill ``LlmDataDist`` in a child process.
@@ -185,13 +197,7 @@ class KvPair:
     # ---------------------------------------------------------------- the child's side
     async def call(self, op: str, *args: Any, timeout: float = 30.0) -> Any:
         """Send one command to the child; its ``LLMException`` is raised here, typed."""
-        self.peer.send((op, args))
-        kind, value = await self.peer.recv(timeout)
-        if kind == "err":
-            raise value
-        if kind == "crash":
-            raise AssertionError(f"the kvflow_pair peer process failed:\n{value}")
-        return value
+        return await command(self.peer, op, *args, timeout=timeout)
 
     async def remote_read(self, cache: CacheIndex | None = None) -> list[np.ndarray]:
         """A copy of every tensor of the child's cache (flat ``uint8``)."""
