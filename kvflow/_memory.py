@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._status import LLMKvCacheNotExist, LLMParamInvalid
-from ._types import Cache, CacheDesc, Placement
+from ._types import Cache, CacheDesc, DataType, Placement
 
 
 @dataclass
@@ -29,8 +29,56 @@ def _host_view(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
-def resolve_region(obj: Any, nbytes: int, placement: Placement, index: int) -> Region:
-    """Turn one entry of ``addrs`` (int, buffer, or object with ``data_ptr()``) into a Region."""
+# The element type each DataType names, spelled as numpy's ``dtype.name`` and torch's ``str(dtype)``
+# (without "torch."). numpy has no bfloat16: an array matches DT_BF16 only through a dtype named
+# "bfloat16" (ml_dtypes), or as untyped bytes.
+ELEMENT_NAMES: dict[DataType, str] = {
+    DataType.DT_FLOAT: "float32",
+    DataType.DT_FLOAT16: "float16",
+    DataType.DT_INT8: "int8",
+    DataType.DT_INT32: "int32",
+    DataType.DT_UINT8: "uint8",
+    DataType.DT_INT16: "int16",
+    DataType.DT_UINT16: "uint16",
+    DataType.DT_UINT32: "uint32",
+    DataType.DT_INT64: "int64",
+    DataType.DT_UINT64: "uint64",
+    DataType.DT_DOUBLE: "float64",
+    DataType.DT_BOOL: "bool",
+    DataType.DT_BF16: "bfloat16",
+}
+# Untyped bytes, accepted under any data_type: uint8 (numpy, torch, memoryview 'B'), and char
+# (memoryview 'c', numpy 'S1'), which _array_region calls uint8. int8 ('b') is a type of its own:
+# it matches DT_INT8 only.
+UNTYPED = "uint8"
+_CHAR = np.dtype("S1")
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``float16`` for numpy's dtype('float16') and for torch.float16."""
+    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).rsplit(".", 1)[-1]
+
+
+def _check_dtype(name: str, data_type: DataType | None, index: int) -> None:
+    """LLMParamInvalid unless elements called ``name`` can be addressed as ``data_type``."""
+    if data_type is None or name == UNTYPED:
+        return
+    want = ELEMENT_NAMES[DataType(data_type)]
+    if name != want:
+        raise LLMParamInvalid(
+            f"addrs[{index}]: dtype {name} does not match data_type {DataType(data_type).name} ({want}); "
+            "register memory of that type, or untyped bytes (uint8)"
+        )
+
+
+def resolve_region(obj: Any, nbytes: int, placement: Placement, index: int,
+                   data_type: DataType | None = None) -> Region:
+    """Turn one entry of ``addrs`` (int, buffer, DLPack or ``data_ptr()`` object) into a Region.
+
+    Memory that carries a layout must be C-contiguous, hold at least ``nbytes`` and, unless it is
+    untyped bytes, have the element type of ``data_type`` (None skips that check). An int address
+    carries no layout: the caller vouches for it, as in LLM-DataDist.
+    """
     if isinstance(obj, bool):
         raise LLMParamInvalid(f"addrs[{index}]: expected an address or a buffer, got a bool")
     if isinstance(obj, (int, np.integer)):
@@ -39,39 +87,92 @@ def resolve_region(obj: Any, nbytes: int, placement: Placement, index: int) -> R
             raise LLMParamInvalid(f"addrs[{index}]: address {addr:#x} is not a valid non-zero address")
         view = _host_view(addr, nbytes) if placement == Placement.HOST else None
         return Region(addr, nbytes, placement, view)
+    if isinstance(obj, np.ndarray):
+        return _array_region(obj, obj, nbytes, placement, index, data_type)
     data_ptr = getattr(obj, "data_ptr", None)
-    if callable(data_ptr) and not isinstance(obj, (bytes, bytearray, memoryview, np.ndarray)):
-        addr = int(data_ptr())
-        size = _object_nbytes(obj)
-        if size is not None and size < nbytes:
-            raise LLMParamInvalid(f"addrs[{index}]: object holds {size} bytes, a tensor needs {nbytes}")
-        on_device = getattr(getattr(obj, "device", None), "type", "cpu") != "cpu"
-        if on_device and placement != Placement.DEVICE:
-            raise LLMParamInvalid(f"addrs[{index}]: device tensor registered with placement HOST")
-        if addr <= 0:
-            raise LLMParamInvalid(f"addrs[{index}]: data_ptr() is 0")
-        view = None if on_device else _host_view(addr, nbytes)
-        return Region(addr, nbytes, placement, view, owner=obj)
+    if callable(data_ptr) and not isinstance(obj, (bytes, bytearray, memoryview)):
+        return _tensor_region(obj, data_ptr, nbytes, placement, index, data_type)
+    dlpack_error = None
+    if callable(getattr(obj, "__dlpack__", None)):
+        try:
+            arr = np.from_dlpack(obj)
+        except Exception as exc:  # device memory or a dtype numpy lacks: try the buffer protocol next
+            dlpack_error = f"{type(exc).__name__}: {exc}"
+        else:
+            return _array_region(arr, obj, nbytes, placement, index, data_type)
     try:
         mv = memoryview(obj)
     except TypeError:
+        why = f" (numpy cannot read its DLPack: {dlpack_error})" if dlpack_error else ""
         raise LLMParamInvalid(
-            f"addrs[{index}]: expected an int address, a buffer or an object with data_ptr(), "
-            f"got {type(obj).__name__}"
+            f"addrs[{index}]: expected an int address, a buffer, a DLPack object or an object with "
+            f"data_ptr(), got {type(obj).__name__}{why}"
         ) from None
-    if mv.readonly:
+    try:
+        arr = np.asarray(mv)  # no copy: numpy reads the buffer's format, shape and strides
+    except Exception:
+        raise LLMParamInvalid(
+            f"addrs[{index}]: buffer format {mv.format!r} is not an element type kvflow knows"
+        ) from None
+    return _array_region(arr, obj, nbytes, placement, index, data_type)
+
+
+def _array_region(arr: np.ndarray, owner: Any, nbytes: int, placement: Placement, index: int,
+                  data_type: DataType | None) -> Region:
+    """Region of host memory described by ``arr`` (the user's array, or a view of ``owner``)."""
+    if not arr.flags.writeable:
         raise LLMParamInvalid(f"addrs[{index}]: buffer is read-only")
-    if not mv.c_contiguous:
-        raise LLMParamInvalid(f"addrs[{index}]: buffer is not C-contiguous")
-    mv = mv.cast("B")
-    if mv.nbytes < nbytes:
-        raise LLMParamInvalid(f"addrs[{index}]: buffer holds {mv.nbytes} bytes, a tensor needs {nbytes}")
+    if not arr.flags.c_contiguous:
+        raise LLMParamInvalid(
+            f"addrs[{index}]: buffer is not C-contiguous (shape {arr.shape}, strides {arr.strides}); "
+            "a pull would write bytes outside the view"
+        )
+    if arr.dtype.itemsize > 1 and not arr.dtype.isnative:
+        raise LLMParamInvalid(f"addrs[{index}]: dtype {arr.dtype.str} is not in native byte order")
+    _check_dtype(UNTYPED if arr.dtype == _CHAR else arr.dtype.name, data_type, index)
+    if arr.nbytes < nbytes:
+        raise LLMParamInvalid(f"addrs[{index}]: buffer holds {arr.nbytes} bytes, a tensor needs {nbytes}")
     if placement != Placement.HOST:
         raise LLMParamInvalid(f"addrs[{index}]: a host buffer registered with placement DEVICE")
     if nbytes == 0:
         raise LLMParamInvalid(f"addrs[{index}]: empty tensor")
+    mv = memoryview(arr.reshape(-1).view(np.uint8))  # C-contiguous: a view, never a copy
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    return Region(addr, nbytes, placement, mv[:nbytes], owner=obj)
+    return Region(addr, nbytes, placement, mv[:nbytes], owner=owner)
+
+
+def _tensor_region(obj: Any, data_ptr: Any, nbytes: int, placement: Placement, index: int,
+                   data_type: DataType | None) -> Region:
+    """Region of a torch-like tensor; the layout checks use what it exposes (``is_contiguous()``,
+    ``dtype``, ``numel()`` and ``element_size()``), and a check it gives no answer to is skipped."""
+    layout = str(getattr(obj, "layout", ""))
+    if layout.startswith("torch.") and layout != "torch.strided":
+        raise LLMParamInvalid(f"addrs[{index}]: tensor layout {layout} is not one block of memory")
+    is_contiguous = getattr(obj, "is_contiguous", None)
+    if callable(is_contiguous) and not is_contiguous():
+        shape = tuple(getattr(obj, "shape", ()))
+        stride = obj.stride() if callable(getattr(obj, "stride", None)) else "?"
+        raise LLMParamInvalid(
+            f"addrs[{index}]: tensor is not contiguous (shape {shape}, stride {stride}); "
+            "a pull would write bytes outside the view"
+        )
+    dtype = getattr(obj, "dtype", None)
+    if dtype is not None:
+        _check_dtype(_dtype_name(dtype), data_type, index)
+    size = _object_nbytes(obj)
+    if size is not None and size < nbytes:
+        raise LLMParamInvalid(f"addrs[{index}]: object holds {size} bytes, a tensor needs {nbytes}")
+    on_device = getattr(getattr(obj, "device", None), "type", "cpu") != "cpu"
+    if on_device and placement != Placement.DEVICE:
+        raise LLMParamInvalid(f"addrs[{index}]: device tensor registered with placement HOST")
+    try:
+        addr = int(data_ptr())
+    except Exception as exc:
+        raise LLMParamInvalid(f"addrs[{index}]: data_ptr() failed: {exc}") from None
+    if addr <= 0:
+        raise LLMParamInvalid(f"addrs[{index}]: data_ptr() is 0")
+    view = None if on_device else _host_view(addr, nbytes)
+    return Region(addr, nbytes, placement, view, owner=obj)
 
 
 def _object_nbytes(obj: Any) -> int | None:
@@ -206,7 +307,8 @@ class Registry:
         nbytes = desc.tensor_bytes
         if desc.num_blocks and nbytes % desc.num_blocks:
             raise LLMParamInvalid("tensor bytes are not a multiple of shape[0]")
-        regions = [resolve_region(a, nbytes, Placement(desc.placement), i) for i, a in enumerate(addrs)]
+        placement, data_type = Placement(desc.placement), DataType(desc.data_type)
+        regions = [resolve_region(a, nbytes, placement, i, data_type) for i, a in enumerate(addrs)]
         cache = Cache(self._next_id, tuple(r.addr for r in regions), desc)
         self._next_id += 1
         local = LocalCache(cache, regions)
