@@ -5,7 +5,8 @@ over loopback with the transport pinned, and checks through the public API that 
 transport moves exactly the requested bytes: whole slots and block lists, both directions,
 scattered and contiguous, single blocks (the batches ``read_now`` may take), batches larger
 than ``IOV_MAX`` runs, concurrent transfers on one link, a remote cache that does not exist,
-and a cancelled transfer after which no byte lands.
+and pulls cancelled mid-transfer (some blocks landed, not all): each must end cancelled, and
+no byte may land after it did.
 Guard bytes around every registered tensor must stay untouched throughout.
 """
 
@@ -237,29 +238,80 @@ class _Suite:
         self.guards("concurrent transfers")
 
     async def cancel(self) -> None:
+        """Pulls cancelled while in flight: each raises CancelledError, and no byte lands afterwards.
+
+        The cancels are timed at fractions of a measured uncancelled pull of the same batch; the check
+        fails unless at least two of them caught the pull with some of its bytes landed and not all
+        (the cancel arrived mid-transfer, not before the first byte or after the last)."""
         desc = CacheDesc(num_tensors=4, data_type=DataType.DT_UINT8, shape=[256, 64 << 10])  # 64 MiB
         src, src_id = await self.cache(self.a, desc)
         dst, _ = await self.cache(self.b, desc, random=False)
         ci = CacheIndex(self.a.cluster_id, src_id)
-        blocks = list(range(desc.num_blocks))
-        for delay in (0.0, 0.0005, 0.001, 0.002, 0.004, 0.008):
+        nb = desc.num_blocks
+        blocks = list(range(nb))
+        loop = asyncio.get_running_loop()
+
+        def landed() -> np.ndarray:
+            """(tensor, block, head/tail): whether the first and the last 64 bytes of each block already
+            hold the source's (src block b lands in dst block nb-1-b; random 64 bytes do not match the
+            sentinel by chance). Cheap enough to take at the very moment a call is cancelled or returns."""
+            return np.stack([np.stack([np.all(dst.blocks(t)[::-1, :64] == src.blocks(t)[:, :64], axis=1),
+                                       np.all(dst.blocks(t)[::-1, -64:] == src.blocks(t)[:, -64:], axis=1)],
+                                      axis=1) for t in range(desc.num_tensors)])
+
+        def pull() -> asyncio.Future[None]:
+            return asyncio.ensure_future(self.b.pull_kv_blocks(ci, self.handle(dst), blocks, blocks[::-1],
+                                                               timeout_in_millis=_OP_MS))
+
+        # how long the whole batch takes here: the cancels are timed at fractions of it
+        for t in dst.tensors:
+            t[:] = _SENTINEL
+        t0 = loop.time()
+        await pull()
+        full = loop.time() - t0
+        _same([dst.blocks(t)[::-1] for t in range(4)], [src.blocks(t) for t in range(4)], "uncancelled pull")
+        total = desc.num_tensors * nb
+        mid, seen = 0, []
+        for i, frac in enumerate((0.0, 0.3, 0.6, 0.1, 0.45, 0.8, 0.2, 0.05, 0.7, 0.35, 0.9, 0.15)):
             for t in dst.tensors:
                 t[:] = _SENTINEL
-            task = asyncio.ensure_future(self.b.pull_kv_blocks(ci, self.handle(dst), blocks, blocks[::-1],
-                                                               timeout_in_millis=_OP_MS))
-            await asyncio.sleep(delay)
+            task = pull()
+            await asyncio.sleep(frac * full)
+            if task.done():  # finished before the cancel: not a cancellation, but the bytes must be right
+                await task
+                _same([dst.blocks(t)[::-1] for t in range(4)], [src.blocks(t) for t in range(4)],
+                      "pull that finished before its cancel")
+                seen.append(f"{frac:.2f}: finished first")
+                continue
+            at_cancel = landed()
             task.cancel()
             try:
                 await task
             except asyncio.CancelledError:
                 pass
-            before = dst.snapshot()
+            heads, tails = (int(np.count_nonzero(at_cancel[:, :, k])) for k in (0, 1))
+            state = f"{heads}/{total} block heads and {tails}/{total} tails landed"
+            if not task.cancelled():
+                raise AssertionError(f"a pull cancelled in flight ({state}) did not end cancelled")
+            at_return = landed()  # first: a copy still running would land more while the snapshot is taken
+            after = dst.snapshot()
             await asyncio.sleep(0.1)
-            _same(dst.tensors, before, f"bytes landed after a cancelled pull returned (delay {delay})")
+            what = f"bytes landed after a cancelled pull returned (at {frac:.2f} of {full * 1e3:.1f} ms)"
+            if not np.array_equal(landed(), at_return):
+                raise AssertionError(f"{what}: {int(np.count_nonzero(landed() != at_return))} block heads/tails")
+            _same(dst.tensors, after, what)
             for t in range(4):
                 got, want = dst.blocks(t)[::-1], src.blocks(t)
                 if not np.all((got == _SENTINEL) | (got == want)):
                     raise AssertionError("a cancelled pull wrote bytes that are not the source's")
+            if heads > 0 and tails < total:  # the first bytes had landed, the last had not
+                mid += 1
+            seen.append(f"{frac:.2f}: cancelled with {state}")
+            if mid >= 2 and i >= 3:
+                break
+        if mid < 2:
+            raise AssertionError(f"{self.name}: fewer than two cancels arrived mid-transfer (a whole pull: "
+                                 f"{full * 1e3:.1f} ms): {'; '.join(seen)}")
         # the link is still usable and exact
         await self.b.pull_kv_blocks(ci, self.handle(dst), blocks, blocks, timeout_in_millis=_OP_MS)
         _same(dst.tensors, src.tensors, "pull after cancellations")
