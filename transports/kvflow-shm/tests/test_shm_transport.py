@@ -160,44 +160,65 @@ async def test_cancel_returns_only_after_the_copy_thread_let_go(monkeypatch: pyt
                 assert all(np.array_equal(m, x) for m, x in zip(dst_mem, before, strict=True))
 
 
-def test_describe_and_check_peer() -> None:
+@pytest.mark.asyncio
+async def test_describe_holds_no_pid_or_address_and_check_peer_probes_nothing() -> None:
     t, other = _transport(), _transport()
     info = other.describe()
-    assert info["pid"] == os.getpid() and len(info["nonce"]) == info["probe_len"]
+    assert set(info) == {"boot_id", "hostname", "pid_ns", "net_ns", "uds"}  # no pid, uid or address
     assert t.check_peer(info) is None
     assert "different host" in (t.check_peer({**info, "boot_id": "0" * 36}) or "")
     assert "different PID namespace" in (t.check_peer({**info, "pid_ns": 1}) or "")
-    assert "other bytes" in (t.check_peer({**info, "nonce": bytes(16)}) or "")
-    assert "probe read failed" in (t.check_peer({**info, "probe_addr": 8}) or "")
-    assert "incomplete" in (t.check_peer({"pid": 1}) or "")
+    assert "different network namespace" in (t.check_peer({**info, "net_ns": 1}) or "")
+    assert "malformed rendezvous" in (t.check_peer({**info, "uds": "elsewhere"}) or "")
+    assert "incomplete" in (t.check_peer({"pid": 1, "probe_addr": 8}) or "")
+    await t.close()
+    await other.close()
 
 
-def _check_as_nobody(conn: Any, info: dict[str, Any]) -> None:
-    from kvflow._memory import Registry as R
-    from kvflow.transport import TransportContext as Ctx
+def _access_as_nobody(conn: Any, pid: int) -> None:
+    from kvflow import LLMLinkFailed as Failed
 
-    from kvflow_shm import ShmTransport as T
-    from kvflow_shm import _lowlevel as ll
+    from kvflow_shm import _check_access
 
-    assert ll.native_error() is None
     os.setgid(65534)
     os.setuid(65534)
-    conn.send(T(Ctx(1, {}, R(), "x")).check_peer(info))
+    try:
+        _check_access(pid)
+    except Failed as exc:
+        conn.send(str(exc.args[0]))
+    else:
+        conn.send(None)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
-def test_check_peer_reports_ptrace_denial() -> None:
-    t = _transport()
+def test_access_check_refuses_a_process_we_may_not_ptrace() -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_check_as_nobody, args=(child, t.describe()), daemon=True)
+    proc = ctx.Process(target=_access_as_nobody, args=(child, os.getpid()), daemon=True)
     proc.start()
     try:
         assert parent.poll(60)
         reason = parent.recv()
     finally:
         proc.join(10)
-    assert reason is not None and reason.startswith("probe read failed") and "EPERM" in reason, reason
+    assert reason is not None and "no access to the memory of peer process" in reason, reason
+
+
+def test_yama_ptrace_scope_is_detected(tmp_path: Any) -> None:
+    """Yama is not enabled on this machine, so its sysctl is stood in for by files (the parser is real)."""
+    from kvflow_shm import _yama_reason
+
+    scope, status = tmp_path / "scope", tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
+    scope.write_text("0\n")
+    assert _yama_reason(str(scope), str(status)) is None
+    scope.write_text("1\n")
+    assert "ptrace_scope=1" in (_yama_reason(str(scope), str(status)) or "")
+    status.write_text("CapEff:\t0000000000080000\n")  # CAP_SYS_PTRACE
+    assert _yama_reason(str(scope), str(status)) is None
+    scope.write_text("3\n")
+    assert "ptrace_scope=3" in (_yama_reason(str(scope), str(status)) or "")
+    assert _yama_reason(str(tmp_path / "absent"), str(status)) is None
 
 
 @pytest.mark.parametrize("key,value", [("kvflow.shm.InlineBytes", "lots"), ("kvflow.shm.Threads", "0")])
@@ -263,25 +284,73 @@ async def test_split_batch_with_a_failing_part() -> None:
 
 
 @pytest.mark.asyncio
-async def test_abort_fails_inflight_copies_and_later_calls() -> None:
+async def test_abort_fails_inflight_copies_and_later_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``abort`` while every worker thread is between two syscalls of its copy: the read fails with the
+    abort's own LLMLinkFailed, the native loop stops at the stop flag (nothing after the abort moves),
+    ``abort`` itself does not wait for the threads, and later calls fail at once."""
+    from kvflow_shm import _lowlevel as ll
+
     peer = Peer(nbytes=64 << 20)
     try:
         async with asyncio.timeout(30):
-            t, ch = _transport({"kvflow.shm.InlineBytes": "0"}), _Channel()
+            t, ch = _transport({"kvflow.shm.InlineBytes": "0", "kvflow.shm.Threads": "2"}), _Channel()
             ep = ShmEndpoint(t, peer.pid, None, ch)
             bs = 64 << 10
             n = peer.nbytes // bs
             mem = np.zeros(peer.nbytes, dtype=np.uint8)
+            base = int(mem.ctypes.data)
             batch = _batch(t, mem, [(peer.addr, peer.nbytes)], [(i * bs, 0, (n - 1 - i) * bs) for i in range(n)])
+            # Each part of the batch (one per worker thread) copies its first half for real, then waits
+            # at that syscall boundary until the test has aborted, then runs the real native loop on its
+            # second half with the op's stop flag, which abort() has set by then.
+            real = ll.transfer
+            halfway = threading.Semaphore(0)
+            aborted = threading.Event()
+            lock = threading.Lock()
+            parts: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], BaseException | None]] = []
+
+            def paused(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens: np.ndarray,
+                       *rest: Any, **kw: Any) -> int:
+                h = lens.size // 2
+                runs = [(int(lo) - base, int(ro) - peer.addr, int(ln)) for lo, ro, ln in zip(local, remote, lens)]
+                lt, rt, *regions = rest
+                real(pid, write, local[:h], remote[:h], lens[:h], lt[:h], rt[:h], *regions, **kw)
+                halfway.release()
+                if not aborted.wait(10):
+                    raise AssertionError("the test never aborted")
+                try:
+                    return real(pid, write, local[h:], remote[h:], lens[h:], lt[h:], rt[h:], *regions, **kw)
+                except BaseException as exc:
+                    with lock:
+                        parts.append((runs[:h], runs[h:], exc))
+                    raise
+
+            monkeypatch.setattr(ll, "transfer", paused)
             task = asyncio.ensure_future(ep.read(batch))
-            await asyncio.sleep(0.001)
+            loop = asyncio.get_running_loop()
+            for _ in range(2):  # both worker threads hold half-copied parts
+                assert await loop.run_in_executor(None, halfway.acquire, True, 10)
+            assert not task.done()
+            t0 = time.perf_counter()
             ep.abort(LLMLinkFailed("test abort"))
-            try:
+            assert time.perf_counter() - t0 < 1.0  # it set the flag; it did not wait for the paused threads
+            aborted.set()
+            with pytest.raises(LLMLinkFailed, match="test abort"):
                 await task
-            except LLMLinkFailed as exc:
-                assert "test abort" in str(exc)
+            assert len(parts) == 2
+            src = np.frombuffer(peer.contents(), dtype=np.uint8)
+            for before, after, exc in parts:
+                # the native loop itself stopped, before its first syscall after the abort
+                assert isinstance(exc, ll.CopyStopped) and exc.done == 0, exc
+                for lo, ro, ln in before:
+                    assert np.array_equal(mem[lo:lo + ln], src[ro:ro + ln])
+                for lo, _, ln in after:
+                    assert not mem[lo:lo + ln].any()
+            landed = mem.copy()
+            monkeypatch.undo()
             with pytest.raises(LLMLinkFailed, match="closed"):
                 await ep.read(batch)
+            assert np.array_equal(mem, landed)
             await t.close()
     finally:
         peer.stop()
