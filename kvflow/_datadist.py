@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import socket
@@ -12,12 +11,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from . import _handshake as handshake
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
 from ._deadline import Deadline
 from ._layerwise import CacheTask, LayerSynchronizer, TransferConfig, abort_tasks, start_transfer
-from ._link import Link, LinkState, StreamChannel, describe_local, open_socket
+from ._link import Link, LinkState, describe_local, open_socket
 from ._memory import LocalCache, Registry
 from ._metrics import Metrics, end_span, event, link_span
 from ._metrics import now as metrics_now
@@ -29,7 +29,6 @@ from ._status import (
     LLMFailed,
     LLMFeatureNotEnabled,
     LLMKvCacheNotExist,
-    LLMLinkFailed,
     LLMNotYetLink,
     LLMParamInvalid,
     LLMStatusCode,
@@ -44,7 +43,6 @@ log = logging.getLogger("kvflow")
 MAX_CLUSTERS_PER_CALL = 16
 _FINALIZE_BYE_S = 0.5  # how long finalize waits for each peer to confirm it dropped the link
 MAX_HANDSHAKES = 512  # incoming connections in their handshake at once; more are refused
-_NONCE = 32
 _PULL, _PUSH = "pull", "push"
 
 
@@ -84,6 +82,11 @@ class LlmDataDist:
         self._links: dict[int, Link] = {}
         self._linking: set[int] = set()
         self._transports: dict[str, Transport] = {}
+        self._unavailable: dict[str, str] = {}  # transport -> why it cannot run here
+        # cache id -> links over which a peer learned its addresses and can touch it itself (one-sided)
+        self._granted: dict[int, set[Link]] = {}
+        self._retired: list[Link] = []  # replaced or purged links whose endpoints may still unwind
+        self._mac_key: bytes | None = None
         self._order: tuple[str, ...] = ()
         self._server: socket.socket | None = None
         self._accepting: set[asyncio.Task[Any]] = set()
@@ -119,11 +122,13 @@ class LlmDataDist:
                 if opts.transports_pinned and len(opts.transports) == 1:
                     raise
                 event("transport_unavailable", cluster=self.cluster_id, transport=name, reason=exc.args[0])
+                self._unavailable[name] = str(exc.args[0]).removeprefix(f"{name}: ")
                 continue
             transports[name] = cls(TransportContext(self.cluster_id, ctx_opts, self._registry, self._instance))
         if not transports:
             raise LLMFeatureNotEnabled(f"none of the transports {', '.join(opts.transports)} can run here")
         self._opts = opts
+        self._mac_key = handshake.derive_key(opts.auth_key) if opts.auth_key is not None else None
         self._transports = transports
         self._order = tuple(transports)
         if opts.listen is not None:
@@ -214,7 +219,11 @@ class LlmDataDist:
         return local.cache
 
     async def unregister_kv_cache(self, cache_id: int, *, timeout_in_millis: int | None = None) -> None:
-        """Unregister a cache; waits (bounded) for peers' transfers that use it. Unknown ids succeed."""
+        """Unregister a cache once no peer can touch its memory any more. Unknown ids succeed.
+
+        Every peer that can reach the memory itself (shm, ucx) must confirm within the timeout that
+        it stopped and forgot the cache, or be known dead. Otherwise LLMWaitProcessTimeout names
+        it, its link is broken, and the cache stays registered (do not free the memory)."""
         self._ready()
         _check_int("cache_id", cache_id, 1)
         local = self._registry._caches.get(cache_id)
@@ -225,38 +234,73 @@ class LlmDataDist:
         assert self._loop is not None
         deadline = self._loop.time() + timeout
         try:
-            notes = [link.request({"op": "gone", "cache_id": cache_id, "ms": int(timeout * 1000)}, timeout)
-                     for link in self._links.values() if link.healthy]
-            if notes:
-                results = await asyncio.gather(*notes, return_exceptions=True)
-                for r in results:
-                    if isinstance(r, BaseException) and not isinstance(r, LLMException):
-                        raise r
+            holders = await self._revoke_peers(cache_id, timeout)
             if local.inflight:
-                local.idle = asyncio.Event()
-                try:
-                    async with timeout_after(max(0.0, deadline - self._loop.time())):
-                        await local.idle.wait()
-                except TIMEOUT_ERRORS:
-                    # Peers' operations still use it: stop them (typed errors on both sides) rather
-                    # than free memory under a transfer. Our own transfers end at their own deadline.
-                    owners = [o for o in local.pins if o is not None]
-                    log.warning("unregister of cache %d: %d transfer(s) still running after %.1f s; "
-                                "failing them", cache_id, local.inflight, timeout)
-                    gone = LLMKvCacheNotExist(f"cache {cache_id} was unregistered during the transfer")
-                    for owner in owners:
-                        if hasattr(owner, "revoke"):
-                            owner.revoke(local, gone)
-                        elif hasattr(owner, "close"):
-                            owner.close(gone)
-                    if local.inflight:
-                        raise LLMWaitProcessTimeout(
-                            f"cache {cache_id} is still in use by {local.inflight} local transfer(s)") from None
+                await self._wait_local(local, max(0.0, deadline - self._loop.time()))
+            if holders:
+                for link, why in holders.items():
+                    if link.healthy:
+                        link.mark_broken(LLMWaitProcessTimeout(
+                            f"cluster {link.remote_cluster_id} did not release cache {cache_id}: {why}"))
+                names = "; ".join(f"cluster {link.remote_cluster_id} over {link.transport} ({why})"
+                                  for link, why in holders.items())
+                raise LLMWaitProcessTimeout(
+                    f"cache {cache_id} is still reachable by {names}; its link was broken and the cache stays "
+                    "registered: do not free the memory (unregister again once that peer has exited)")
         except BaseException:
             local.closing = False  # not unregistered: the cache stays usable
             local.idle = None
             raise
+        self._granted.pop(cache_id, None)
         self._drop_cache(local)
+
+    async def _revoke_peers(self, cache_id: int, timeout: float) -> dict[Link, str]:
+        """Tell every linked peer that the cache is gone; the peers that can still reach it, with why."""
+        granted = self._granted.get(cache_id, set())
+        healthy = [link for link in self._links.values() if link.healthy]
+        results = await asyncio.gather(
+            *(link.request({"op": "gone", "cache_id": cache_id, "ms": int(timeout * 1000)}, timeout)
+              for link in healthy), return_exceptions=True)
+        holders: dict[Link, str] = {}
+        for link, r in zip(healthy, results):
+            if isinstance(r, BaseException) and not isinstance(r, LLMException):
+                raise r
+            if isinstance(r, LLMException):
+                if link in granted:
+                    holders[link] = f"no confirmation: {r.args[0]}"
+                continue
+            # confirmed: that peer's live and retired links no longer touch the cache
+            for g in list(granted):
+                if g.remote_cluster_id == link.remote_cluster_id and g.peer_instance == link.peer_instance:
+                    granted.discard(g)
+        for link in list(granted):
+            if link in holders:
+                continue
+            if link.endpoint is not None and link.endpoint.peer_exited():
+                granted.discard(link)
+            else:
+                holders[link] = f"link {link.state.value}, peer process not known to have exited"
+        return holders
+
+    async def _wait_local(self, local: LocalCache, budget: float) -> None:
+        """Wait for the operations that run in this process on the cache; then stop them (typed errors on
+        both sides) rather than free memory under a transfer. Our own transfers end at their deadline."""
+        local.idle = asyncio.Event()
+        try:
+            async with timeout_after(budget):
+                await local.idle.wait()
+            return
+        except TIMEOUT_ERRORS:
+            pass
+        owners = [o for o in local.pins if o is not None]
+        log.warning("unregister of cache %d: %d transfer(s) still running; failing them", local.cache_id,
+                    local.inflight)
+        gone = LLMKvCacheNotExist(f"cache {local.cache_id} was unregistered during the transfer")
+        for owner in owners:
+            owner.revoke(local, gone)
+        if local.inflight:
+            raise LLMWaitProcessTimeout(
+                f"cache {local.cache_id} is still in use by {local.inflight} local transfer(s)") from None
 
     def _drop_cache(self, local: LocalCache) -> None:
         for t in self._transports.values():
@@ -346,113 +390,68 @@ class LlmDataDist:
     async def _dial(self, cid: int, address: tuple[str, int], local_ip: str | None, timeout: float) -> Link:
         sock = await open_socket(address, local_ip)
         reader, writer = await asyncio.open_connection(sock=sock)
-        endpoint = None
         try:
-            candidates = [[n, t.describe()] for n, t in self._transports.items()]
-            cnonce = os.urandom(_NONCE) if self._opts.auth_key is not None else None
-            writer.write(wire.MAGIC_CONTROL + wire.pack({
-                "t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": self.cluster_id, "expect": cid,
-                "instance": self._instance, "transports": candidates,
-                "auth": cnonce is not None, **({"cnonce": cnonce} if cnonce is not None else {}),
-            }))
-            msg = await wire.read_frame(reader)
-            snonce = None
-            if msg["t"] == "challenge":
-                if cnonce is None:
-                    raise LLMLinkFailed(f"cluster {cid} requires authentication: set the same kvflow.AuthKey "
-                                        "on both sides")
-                snonce = wire.field(msg, "nonce", bytes)
-                writer.write(wire.pack({"t": "auth", "mac": self._mac(b"C", snonce, cnonce)}))
-                msg = await wire.read_frame(reader)
-            if msg["t"] == "reject":
-                code = LLMStatusCode.of(wire.field(msg, "code", int))
-                raise _rejected(code, str(msg.get("msg", "")))
-            if msg["t"] != "welcome":
-                raise wire.ProtocolError(f"expected welcome, got {msg['t']!r}")
-            if msg.get("v") != wire.PROTOCOL_VERSION:
-                raise LLMLinkFailed(f"protocol version mismatch: peer speaks {msg.get('v')!r}, "
-                                    f"we speak {wire.PROTOCOL_VERSION}")
-            if cnonce is not None:  # the peer must prove that it holds the secret too
-                mac = msg.get("mac")
-                if snonce is None or not isinstance(mac, bytes) or not hmac.compare_digest(
-                        mac, self._mac(b"S", cnonce, snonce)):
-                    raise LLMLinkFailed(f"cluster {cid} did not authenticate (it has no or another kvflow.AuthKey)")
-            if wire.field(msg, "cluster", int) != cid:
-                raise LLMLinkFailed(f"peer at {address[0]}:{address[1]} is cluster {msg['cluster']}, not {cid}")
-            fallbacks = {str(k): str(v) for k, v in wire.field(msg, "skipped", dict).items()}
-            chosen = None
-            for entry in wire.field(msg, "accepted", list):
-                if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                        and isinstance(entry[1], dict)):
-                    raise wire.ProtocolError("malformed transport entry in welcome")
-                name, peer_info = entry
-                t = self._transports.get(name)
-                if t is None:
-                    continue
-                reason = t.check_peer(peer_info)
-                if reason is None:
-                    chosen = (name, peer_info)
-                    break
-                fallbacks[name] = reason
-            if chosen is None:
-                writer.write(wire.pack({"t": "choose", "transport": None}))
-                raise LLMLinkFailed(f"no transport both sides can use ({fallbacks})")
-            name, peer_info = chosen
-            event("transport_chosen", cluster=self.cluster_id, peer=cid, transport=name, initiator=True,
-                  skipped=";".join(f"{k}:{v}" for k, v in fallbacks.items()) or "-")
-            writer.write(wire.pack({"t": "choose", "transport": name}))
-            token = wire.field(msg, "token", bytes)
-            channel = StreamChannel(True, cid, token, address=address)
-            endpoint = await self._transports[name].connect(peer_info, channel)
-            ready = await wire.read_frame(reader)
-            if ready["t"] != "ready":
-                await _close_endpoint(endpoint)
-                endpoint = None
-                raise _rejected(LLMStatusCode.of(ready.get("code", LLMStatusCode.LLM_LINK_FAILED)),
-                                str(ready.get("msg", "peer failed to connect")))
-            link = Link(remote_cluster_id=cid, peer_instance=str(wire.field(msg, "instance", str)),
-                        initiator=True, transport=name, reader=reader, writer=writer, handler=self._handle,
-                        heartbeat_interval=self._opts.heartbeat_interval_ms / 1000,
-                        heartbeat_timeout=self._opts.heartbeat_timeout_ms / 1000, fallbacks=fallbacks)
-            channel.link = link
-            link.start(endpoint)
-            if channel.early_failure is not None:
-                link.mark_broken(channel.early_failure)
-            return link
-        except BaseException as exc:
+            agreed = await handshake.dial(handshake.Session(reader, writer, self._mac_key),
+                                          cluster_id=self.cluster_id, expect=cid, instance=self._instance,
+                                          transports=self._transports, unavailable=self._unavailable,
+                                          address=address)
+        except BaseException:
             writer.close()
-            if endpoint is not None:  # cut short (deadline, cancel) after the data path was opened
-                endpoint.abort(LLMLinkFailed(f"link to cluster {cid} was not completed: {exc!r}"))
-                task = asyncio.ensure_future(_close_endpoint(endpoint))
-                self._accepting.add(task)
-                task.add_done_callback(self._accepting.discard)
             raise
+        event("transport_chosen", cluster=self.cluster_id, peer=cid, transport=agreed.transport, initiator=True,
+              skipped=";".join(f"{k}:{v}" for k, v in agreed.fallbacks.items()) or "-")
+        link = self._new_link(agreed, True, reader, writer)
+        self._start_link(link, agreed)
+        return link
+
+    def _new_link(self, agreed: handshake.Agreed, initiator: bool, reader: asyncio.StreamReader,
+                  writer: asyncio.StreamWriter) -> Link:
+        link = Link(remote_cluster_id=agreed.peer_cluster, peer_instance=agreed.peer_instance, initiator=initiator,
+                    transport=agreed.transport, reader=reader, writer=writer, handler=self._handle,
+                    heartbeat_interval=self._opts.heartbeat_interval_ms / 1000,
+                    heartbeat_timeout=self._opts.heartbeat_timeout_ms / 1000, fallbacks=agreed.fallbacks)
+        agreed.channel.link = link
+        return link
+
+    def _start_link(self, link: Link, agreed: handshake.Agreed) -> None:
+        link.start(agreed.endpoint)
+        if agreed.channel.early_failure is not None:
+            link.mark_broken(agreed.channel.early_failure)
 
     def _install(self, link: Link) -> None:
         old = self._links.get(link.remote_cluster_id)
         if old is not None and old is not link:
-            old.close("replaced by a new link")
-            task = asyncio.ensure_future(old.wait_closed())
-            self._accepting.add(task)
-            task.add_done_callback(self._accepting.discard)
+            self._retire(old, "replaced by a new link")
         self._links[link.remote_cluster_id] = link
         link.on_closed = self._metrics.link_down
         self._metrics.link_up(link)
-
-    def _mac(self, role: bytes, first: bytes, second: bytes) -> bytes:
-        """HMAC-SHA256 under the shared secret: role b"C" (client proof) or b"S" (server proof)."""
-        assert self._opts.auth_key is not None
-        return hmac.new(self._opts.auth_key, b"kvflow-auth-" + role + first + second, "sha256").digest()
 
     def _purge_broken(self) -> None:
         """Forget broken links (to make room under kvflow.MaxLinks)."""
         for cid, link in list(self._links.items()):
             if link.state is LinkState.BROKEN:
                 del self._links[cid]
-                link.close("purged")
-                task = asyncio.ensure_future(link.wait_closed())
-                self._accepting.add(task)
-                task.add_done_callback(self._accepting.discard)
+                self._retire(link, "purged")
+
+    def _retire(self, link: Link, reason: str) -> None:
+        """Close a link that is no longer in the table; keep it while its operations may still unwind."""
+        link.close(reason)
+        task = asyncio.ensure_future(link.wait_closed())
+        self._accepting.add(task)
+        task.add_done_callback(self._accepting.discard)
+        self._retired = [r for r in self._retired if r.busy] + [link]
+
+    async def _quiesce_retired(self, cid: int, budget: float) -> None:
+        """Wait until no retired link to ``cid`` can touch that peer's memory (LLMWaitProcessTimeout if
+        one still can): a peer's ``gone`` covers every link it ever had to us, not only the live one."""
+        for old in [r for r in self._retired if r.remote_cluster_id == cid]:
+            await old.quiesce(budget)
+        self._retired = [r for r in self._retired if r.busy]
+
+    def _ungrant(self, link: Link) -> None:
+        """``link``'s peer confirmed it can no longer touch any of our caches."""
+        for links in self._granted.values():
+            links.discard(link)
 
     async def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000,
                                   force: bool = False) -> list[LLMStatusCode]:
@@ -471,7 +470,9 @@ class LlmDataDist:
         link.closing = True
         if not force and link.healthy:
             try:
+                await link.quiesce(timeout)  # "bye" tells the peer that we no longer touch its memory
                 await link.request({"op": "bye"}, timeout)
+                self._ungrant(link)
             except LLMException as exc:
                 log.warning("unlink of cluster %d: peer did not confirm: %s", cid, exc)
                 status = LLMStatusCode.LLM_UNLINK_FAILED
@@ -568,95 +569,16 @@ class LlmDataDist:
 
     async def _serve_control(self, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)
-        hs_timeout = max(1.0, self._opts.heartbeat_timeout_ms / 1000)
+        session = handshake.Session(reader, writer, self._mac_key)
         token = os.urandom(wire.TOKEN_SIZE)
+        waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
+        self._data_waiters[token] = waiter
+        admitted: list[int] = []
         try:
-            async with timeout_after(hs_timeout):
-                hello = await wire.read_frame(reader)
-                if hello["t"] != "hello":
-                    raise wire.ProtocolError(f"expected hello, got {hello['t']!r}")
-                if hello.get("v") != wire.PROTOCOL_VERSION:
-                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
-                                   f"protocol version mismatch: we speak {wire.PROTOCOL_VERSION}, "
-                                   f"you speak {hello.get('v')!r}")
-                proof: dict[str, bytes] = {}
-                if self._opts.auth_key is not None:
-                    nonce = os.urandom(_NONCE)
-                    cnonce = hello.get("cnonce")
-                    writer.write(wire.pack({"t": "challenge", "nonce": nonce}))
-                    answer = await wire.read_frame(reader)
-                    mac = answer.get("mac") if answer["t"] == "auth" else None
-                    if not (isinstance(cnonce, bytes) and len(cnonce) == _NONCE and isinstance(mac, bytes)
-                            and hmac.compare_digest(mac, self._mac(b"C", nonce, cnonce))):
-                        log.warning("rejected a link attempt that failed authentication")
-                        return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
-                    proof = {"mac": self._mac(b"S", cnonce, nonce)}  # we know the secret too
-                peer = _check_int("cluster", wire.field(hello, "cluster", int))
-                if wire.field(hello, "expect", int) != self.cluster_id:
-                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
-                                   f"this is cluster {self.cluster_id}, not {hello['expect']}")
-                if peer == self.cluster_id:
-                    return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, "peer has our cluster id")
-                instance = str(wire.field(hello, "instance", str))[:64]
-                # A link from this cluster that we still hold is replaced: the peer dials only when it
-                # has no usable link (it restarted, or its side of the link broke before ours).
-                old = self._links.get(peer)
-                if peer in self._linking:
-                    return _reject(writer, LLMStatusCode.LLM_PROCESSING_LINK, "a link is being made")
-                if len(self._links) >= self._opts.max_links and old is None:
-                    self._purge_broken()
-                    if len(self._links) >= self._opts.max_links:
-                        return _reject(writer, LLMStatusCode.LLM_LINK_FAILED,
-                                       f"too many links (kvflow.MaxLinks={self._opts.max_links})")
-                accepted, skipped = [], {}
-                offered = wire.field(hello, "transports", list)[:16]
-                for entry in offered:
-                    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                            and isinstance(entry[1], dict)):
-                        raise wire.ProtocolError("malformed transport entry in hello")
-                    name, info = entry
-                    t = self._transports.get(name)
-                    if t is None:
-                        continue
-                    try:
-                        reason = t.check_peer(info)
-                    except Exception as exc:  # a malformed description from the peer
-                        reason = f"unusable peer description ({type(exc).__name__})"
-                    if reason is None:
-                        accepted.append([name, t.describe()])
-                    else:
-                        skipped[name] = str(reason)
-                self._linking.add(peer)
-                try:
-                    waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
-                    self._data_waiters[token] = waiter
-                    writer.write(wire.pack({"t": "welcome", "v": wire.PROTOCOL_VERSION, "cluster": self.cluster_id,
-                                            "instance": self._instance, "accepted": accepted,
-                                            "skipped": skipped, "token": token, **proof}))
-                    choice = await wire.read_frame(reader)
-                    name = choice.get("transport") if choice["t"] == "choose" else None
-                    if name is None:
-                        writer.close()
-                        return None
-                    if not isinstance(name, str) or name not in [a[0] for a in accepted]:
-                        raise wire.ProtocolError(f"peer chose a transport we did not offer: {name!r}")
-                    peer_info = next(e[1] for e in offered if e[0] == name)
-                    event("transport_chosen", cluster=self.cluster_id, peer=peer, transport=name, initiator=False,
-                          skipped=";".join(f"{k}:{v}" for k, v in skipped.items()) or "-")
-                    channel = StreamChannel(False, peer, token, waiter=waiter)
-                    try:
-                        endpoint = await self._transports[name].connect(peer_info, channel)
-                    except LLMException as exc:
-                        return _reject(writer, exc.status_code, str(exc.args[0]), t="ready_fail")
-                    except (*TIMEOUT_ERRORS, asyncio.CancelledError):
-                        raise
-                    except Exception as exc:  # a transport choking on the peer's description
-                        log.warning("link from cluster %d: %s connect failed: %r", peer, name, exc)
-                        return _reject(writer, LLMStatusCode.LLM_LINK_FAILED, f"{name} connect failed",
-                                       t="ready_fail")
-                finally:
-                    self._linking.discard(peer)
-                    self._data_waiters.pop(token, None)
+            async with timeout_after(max(1.0, self._opts.heartbeat_timeout_ms / 1000)):
+                agreed = await handshake.accept(session, cluster_id=self.cluster_id, instance=self._instance,
+                                                transports=self._transports, token=token, waiter=waiter,
+                                                admit=lambda peer, expect: self._admit(peer, expect, admitted))
         except TIMEOUT_ERRORS:
             log.info("incoming link handshake timed out")
             writer.close()
@@ -664,16 +586,38 @@ class LlmDataDist:
         except BaseException:
             writer.close()
             raise
-        link = Link(remote_cluster_id=peer, peer_instance=instance, initiator=False, transport=name,
-                    reader=reader, writer=writer, handler=self._handle,
-                    heartbeat_interval=self._opts.heartbeat_interval_ms / 1000,
-                    heartbeat_timeout=self._opts.heartbeat_timeout_ms / 1000, fallbacks=skipped)
-        channel.link = link
+        finally:
+            for peer in admitted:
+                self._linking.discard(peer)
+            self._data_waiters.pop(token, None)
+        if agreed is None:
+            writer.close()
+            return None
+        event("transport_chosen", cluster=self.cluster_id, peer=agreed.peer_cluster, transport=agreed.transport,
+              initiator=False, skipped=";".join(f"{k}:{v}" for k, v in agreed.fallbacks.items()) or "-")
+        link = self._new_link(agreed, False, reader, writer)
         self._install(link)
-        writer.write(wire.pack({"t": "ready"}))
-        link.start(endpoint)
-        if channel.early_failure is not None:
-            link.mark_broken(channel.early_failure)
+        session.send_sealed("ready", {})
+        self._start_link(link, agreed)
+        return None
+
+    def _admit(self, peer: int, expect: int, admitted: list[int]) -> tuple[LLMStatusCode, str] | None:
+        """Why an authenticated peer may not link now, or None (it then counts as linking)."""
+        _check_int("cluster", peer)
+        if expect != self.cluster_id:
+            return LLMStatusCode.LLM_LINK_FAILED, f"this is cluster {self.cluster_id}, not {expect}"
+        if peer == self.cluster_id:
+            return LLMStatusCode.LLM_LINK_FAILED, "peer has our cluster id"
+        # A link from this cluster that we still hold is replaced: the peer dials only when it
+        # has no usable link (it restarted, or its side of the link broke before ours).
+        if peer in self._linking:
+            return LLMStatusCode.LLM_PROCESSING_LINK, "a link is being made"
+        if len(self._links) >= self._opts.max_links and peer not in self._links:
+            self._purge_broken()
+            if len(self._links) >= self._opts.max_links:
+                return LLMStatusCode.LLM_LINK_FAILED, f"too many links (kvflow.MaxLinks={self._opts.max_links})"
+        self._linking.add(peer)
+        admitted.append(peer)
         return None
 
     async def _handle(self, link: Link, msg: dict[str, Any]) -> dict[str, Any]:
@@ -684,6 +628,8 @@ class LlmDataDist:
             local = self._registry._caches.get(cache_id)
             if local is None or local.closing:
                 raise LLMKvCacheNotExist(f"cache {cache_id} is not registered on cluster {self.cluster_id}")
+            if link.endpoint is not None and link.endpoint.one_sided:  # the peer will touch it itself
+                self._granted.setdefault(cache_id, set()).add(link)
             return {"cache": describe_local(local, link.transport)}
         if op == "gone":
             remote = link.forget(wire.field(msg, "cache_id", int))
@@ -691,8 +637,11 @@ class LlmDataDist:
             budget_s = budget / 1000 if isinstance(budget, int) and 0 < budget <= 3_600_000 else 1.0
             if remote is not None:
                 await link.drain_remote(remote, budget_s)
+            await self._quiesce_retired(link.remote_cluster_id, budget_s)
             return {}
         if op == "bye":
+            await link.quiesce(1.0)  # answered only once none of our operations can touch the peer's memory
+            self._ungrant(link)
             link.closing = True
             if self._links.get(link.remote_cluster_id) is link:
                 del self._links[link.remote_cluster_id]
@@ -953,19 +902,6 @@ def wire_address(ip: str, port: int) -> tuple[str, int]:
     return parse_address("remote_ip_infos", f"{host}:{port}")
 
 
-def _rejected(code: LLMStatusCode, message: str) -> LLMException:
-    from ._status import error_for
-
-    if code == LLMStatusCode.LLM_SUCCESS:  # a refusal that claims success is still a refusal
-        code = LLMStatusCode.LLM_LINK_FAILED
-    return error_for(int(code), str(message)[:500] or code.name)
-
-
-def _reject(writer: asyncio.StreamWriter, code: LLMStatusCode, message: str, t: str = "reject") -> None:
-    writer.write(wire.pack({"t": t, "code": int(code), "msg": message}))
-    writer.close()
-
-
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -974,11 +910,3 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n:
             raise asyncio.IncompleteReadError(bytes(buf), n)
         buf += chunk
     return bytes(buf)
-
-
-async def _close_endpoint(endpoint: Any) -> None:
-    try:
-        await endpoint.close()
-    except Exception:
-        log.debug("closing endpoint failed", exc_info=True)
-

@@ -18,6 +18,7 @@ from ._status import (
     LLMNotYetLink,
     LLMStatusCode,
     LLMTimeoutError,
+    LLMWaitProcessTimeout,
     error_for,
 )
 from ._types import CacheDesc, DataType, Placement
@@ -44,9 +45,10 @@ class StreamChannel(LinkChannel):
 
     def __init__(self, initiator: bool, peer_cluster_id: int, token: bytes,
                  address: tuple[str, int] | None = None,
-                 waiter: asyncio.Future[socket.socket] | None = None) -> None:
+                 waiter: asyncio.Future[socket.socket] | None = None, binding: bytes = b"") -> None:
         self.initiator = initiator
         self.peer_cluster_id = peer_cluster_id
+        self.binding = binding
         self._token = token
         self._address = address
         self._waiter = waiter
@@ -129,6 +131,11 @@ class Link:
     @property
     def healthy(self) -> bool:
         return self.state is LinkState.LINKED
+
+    @property
+    def busy(self) -> bool:
+        """Whether an operation of ours may still touch the peer's memory over this link."""
+        return any(r.inflight for r in self.remotes.values())
 
     def start(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
@@ -334,6 +341,27 @@ class Link:
         except TIMEOUT_ERRORS:
             log.error("transfers on cache %d of cluster %d did not stop after abort", remote.cache_id,
                       self.remote_cluster_id)
+            raise LLMWaitProcessTimeout(f"{remote.inflight} transfer(s) on cache {remote.cache_id} did not stop "
+                                        "after abort") from None
+
+    async def quiesce(self, budget: float) -> None:
+        """Stop every operation of ours on the peer's memory and wait (bounded) until none can touch it;
+        LLMWaitProcessTimeout if some still could. Used before telling the peer we are gone."""
+        busy = [r for r in self.remotes.values() if r.inflight]
+        if not busy:
+            return
+        if self.endpoint is not None:
+            self.endpoint.abort(LLMLinkFailed(f"link to cluster {self.remote_cluster_id} is being closed"))
+        for r in busy:
+            r.idle = r.idle or asyncio.Event()
+        try:
+            async with timeout_after(budget):
+                for r in busy:
+                    if r.inflight:
+                        await r.idle.wait()  # type: ignore[union-attr]
+        except TIMEOUT_ERRORS:
+            raise LLMWaitProcessTimeout(f"transfers to cluster {self.remote_cluster_id} did not stop within "
+                                        f"{budget:.3f} s") from None
 
     # ------------------------------------------------------------------ teardown
     def mark_broken(self, exc: BaseException) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from ._status import LLMParamInvalid
 
 DEFAULT_TRANSPORTS = ("shm", "ucx", "tcp")
+MIN_KEY_BYTES = 16  # shorter shared secrets are refused: one sniffed handshake must not let them be guessed
 
 
 @dataclass
@@ -84,8 +85,9 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
             opts.heartbeat_timeout_ms = _ms(key, value, 50, 600_000)
         elif key == "kvflow.AuthKey":
             secret = str(value).encode()
-            if len(secret) < 8:
-                raise LLMParamInvalid(f"option {key}: the shared secret must be at least 8 bytes")
+            if len(secret) < MIN_KEY_BYTES:
+                raise LLMParamInvalid(f"option {key}: the shared secret must be at least {MIN_KEY_BYTES} bytes "
+                                      "(use a random one, e.g. secrets.token_urlsafe(32))")
             opts.auth_key = secret
         elif key == "kvflow.MaxLinks":
             opts.max_links = _ms(key, value, 1, 65536)

@@ -10,7 +10,7 @@ import msgpack
 
 from ._status import LLMLinkFailed
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sealed handshake (kvflow._handshake)
 MAGIC_CONTROL = b"KVFLOW\x01C"
 MAGIC_DATA = b"KVFLOW\x01D"
 MAGIC_SIZE = 8
@@ -31,23 +31,37 @@ def pack(msg: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def unpack(body: bytes) -> dict[str, Any]:
-    """Decode one frame body; anything but a map with a string ``t`` is a ProtocolError."""
+def unpack_map(body: bytes) -> dict[str, Any]:
+    """Decode a msgpack map with string keys; ProtocolError otherwise."""
     try:
         msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types on garbage
         raise ProtocolError(f"undecodable control frame: {exc.__class__.__name__}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+    if not isinstance(msg, dict):
+        raise ProtocolError("control frame is not a map")
+    return msg
+
+
+def unpack(body: bytes) -> dict[str, Any]:
+    """Decode one frame body; anything but a map with a string ``t`` is a ProtocolError."""
+    msg = unpack_map(body)
+    if not isinstance(msg.get("t"), str):
         raise ProtocolError("control frame is not a map with a type")
     return msg
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
     """Read one frame; ProtocolError on an oversized or malformed one, IncompleteReadError at EOF."""
+    return (await read_frame_raw(reader))[0]
+
+
+async def read_frame_raw(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
+    """``read_frame``, with the frame's body as received (for the handshake transcript)."""
     (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if n > MAX_FRAME:
         raise ProtocolError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
-    return unpack(await reader.readexactly(n))
+    body = await reader.readexactly(n)
+    return unpack(body), body
 
 
 def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -191,6 +191,10 @@ class LinkChannel(abc.ABC):
 
     initiator: bool
     peer_cluster_id: int
+    #: 32 bytes that only the two ends of this link know (derived from the authenticated
+    #: handshake): a transport that opens a side channel (a Unix socket, say) proves with it that
+    #: the other end belongs to this link.
+    binding: bytes
 
     @abc.abstractmethod
     async def open_stream(self) -> socket.socket:
@@ -227,6 +231,12 @@ class Endpoint(abc.ABC):
 
     def write_now(self, batch: RunBatch) -> bool:
         """``read_now`` for ``write``."""
+        return False
+
+    def peer_exited(self) -> bool:
+        """True once the peer process is known to have exited (so it can no longer touch our memory),
+        also after ``abort``. One-sided transports that can tell (shm: a pidfd) say so; the core then
+        lets a cache be unregistered without that peer's confirmation."""
         return False
 
     def abort(self, exc: BaseException) -> None:  # noqa: B027 - optional hook

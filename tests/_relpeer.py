@@ -299,20 +299,35 @@ class RawClient:
         return False
 
     def hello(self, cluster: int, expect: int, **extra: Any) -> dict[str, Any] | None:
+        """Send the control magic and a hello (no key); the server's answer, a welcome unwrapped."""
         msg = {"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": cluster, "expect": expect,
-               "instance": os.urandom(8).hex(), "transports": [["tcp", {}]], "auth": False, **extra}
+               "instance": os.urandom(8).hex(), "auth": False, "cnonce": os.urandom(32),
+               "transports": ["tcp"], **extra}
         self.send(wire.MAGIC_CONTROL)
         self.send_msg(msg)
-        return self.recv_msg()
+        return self.recv_sealed()
+
+    def recv_sealed(self) -> dict[str, Any] | None:
+        """The next frame; a sealed one (without a key) comes back as its inner map plus ``t``."""
+        msg = self.recv_msg()
+        if msg is not None and isinstance(msg.get("m"), bytes):
+            return {**msgpack.unpackb(msg["m"], raw=False), "t": msg["t"]}
+        return msg
+
+    def send_sealed(self, t: str, inner: dict[str, Any]) -> None:
+        self.send_msg({"t": t, "m": msgpack.packb(inner, use_bin_type=True)})
 
     def handshake(self, cluster: int, expect: int) -> dict[str, Any]:
-        """A complete link as kvflow makes one (tcp); returns the welcome."""
+        """A complete link as kvflow makes one (tcp, no key); returns the welcome."""
         welcome = self.hello(cluster, expect)
         assert welcome is not None and welcome["t"] == "welcome", welcome
-        self.send_msg({"t": "choose", "transport": "tcp"})
+        self.send_sealed("choose", {"transport": "tcp", "info": {}})
+        accept = self.recv_sealed()
+        assert accept is not None and accept["t"] == "accept", accept
         self.data = socket.create_connection(self.address, timeout=self.timeout)
         self.data.sendall(wire.MAGIC_DATA + welcome["token"])
-        ready = self.recv_msg()
+        self.send_sealed("connected", {"ok": True})
+        ready = self.recv_sealed()
         assert ready is not None and ready["t"] == "ready", ready
         return welcome
 

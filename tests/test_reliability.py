@@ -18,6 +18,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -667,7 +668,7 @@ async def test_version_mismatch_fails_the_link_clearly(cleanup: list[Any]) -> No
         finally:
             fake_srv.close()
 
-    assert await fake({"t": "welcome", "v": 99, "cluster": PEER}) == LLMStatusCode.LLM_LINK_FAILED
+    assert await fake({"t": "welcome", "m": msgpack.packb({"v": 99, "cluster": PEER})}) == LLMStatusCode.LLM_LINK_FAILED
     assert await fake({"t": "reject", "code": 0, "msg": "ha"}) == LLMStatusCode.LLM_LINK_FAILED
     assert await fake({"t": "nonsense"}) == LLMStatusCode.LLM_LINK_FAILED
     assert g is not None
@@ -702,7 +703,7 @@ async def test_handshake_abuse_is_closed_within_bounds(cleanup: list[Any]) -> No
             elif what == "no_data_connection":  # completes hello, never opens the data connection
                 welcome = c.hello(9, PEER)
                 assert welcome is not None and welcome["t"] == "welcome"
-                c.send_msg({"t": "choose", "transport": "tcp"})
+                c.send_sealed("choose", {"transport": "tcp", "info": {}})
             closed = c.closed_within(5.0)
             assert closed, what
             return time.monotonic() - t0
@@ -923,7 +924,7 @@ async def test_peer_exceeding_outstanding_requests_loses_the_link(cleanup: list[
 @pytest.mark.asyncio
 async def test_auth_key_required_and_mutual(cleanup: list[Any]) -> None:
     d = desc(4, 4096)
-    key = {"kvflow.AuthKey": "s3cret-s3cret"}
+    key = {"kvflow.AuthKey": "s3cret-s3cret-s3cret"}
     srv, g, cache = await server(cleanup, d, **key)
     addr = srv.listen_address
     assert addr is not None and g is not None
@@ -936,7 +937,7 @@ async def test_auth_key_required_and_mutual(cleanup: list[Any]) -> None:
             await dd.finalize()
 
     assert await try_link(20) == LLMStatusCode.LLM_LINK_FAILED  # no key
-    assert await try_link(21, **{"kvflow.AuthKey": "another-secret"}) == LLMStatusCode.LLM_LINK_FAILED
+    assert await try_link(21, **{"kvflow.AuthKey": "another-secret-another"}) == LLMStatusCode.LLM_LINK_FAILED
     assert PEER not in srv._links and not any(k in srv._links for k in (20, 21))
 
     def raw_without_key() -> list[Any]:

@@ -15,10 +15,13 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import hmac
 import itertools
 import logging
 import os
+import select
 import socket
+import struct
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -51,6 +54,11 @@ SPLIT_BYTES = 4 << 20
 #: Environment switch that turns the transport off on this machine.
 DISABLE_ENV = "KVFLOW_SHM_DISABLE"
 PROBE_BYTES = 16
+_CAP_SYS_PTRACE = 19
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
+_UDS_PREFIX = "kvflow-shm-"
+_BINDING = 32
+_RENDEZVOUS_S = 5.0  # a paired Unix connection must show its binding within this
 
 
 def _read(path: str) -> str:
@@ -65,17 +73,31 @@ def _boot_id() -> str:
     return _read("/proc/sys/kernel/random/boot_id")
 
 
-def _pid_ns() -> int:
+def _ns_inode(kind: str) -> int:
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
     except OSError:
         return 0
+
+
+def _yama_reason(path: str = "/proc/sys/kernel/yama/ptrace_scope", status: str = "/proc/self/status") -> str | None:
+    """Why Yama keeps this process from reading a peer that is not its descendant, or None."""
+    scope = _read(path)
+    if scope in ("", "0"):
+        return None
+    if scope == "3":
+        return "Yama ptrace_scope=3 forbids process_vm_readv between processes (fall back to tcp)"
+    cap_eff = next((line.split()[1] for line in _read(status).splitlines() if line.startswith("CapEff:")), "0")
+    if int(cap_eff, 16) & (1 << _CAP_SYS_PTRACE):
+        return None
+    return (f"Yama ptrace_scope={scope} lets a process read only its descendants without CAP_SYS_PTRACE "
+            "(set it to 0, or grant CAP_SYS_PTRACE; kvflow falls back to tcp)")
 
 
 @functools.lru_cache(maxsize=1)
 def _self_probe() -> str | None:
     """Why the syscall cannot be used in this process, or None (probes our own memory once)."""
-    reason = ll.native_error()
+    reason = ll.native_error() or _yama_reason()
     if reason:
         return reason
     want = os.urandom(PROBE_BYTES)
@@ -87,6 +109,150 @@ def _self_probe() -> str | None:
     if got != want:
         return "process_vm_readv self-probe returned wrong bytes"
     return None
+
+
+class _Rendezvous:
+    """An abstract-namespace Unix socket on which the two ends of a link meet, so that each learns
+    the other's process from the kernel. A connection is paired only if it presents the link's
+    binding (known to the two ends alone), and answered with a proof of the same binding."""
+
+    def __init__(self) -> None:
+        self.name = _UDS_PREFIX + os.urandom(12).hex()
+        self._loop = asyncio.get_running_loop()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind("\0" + self.name)
+            self._sock.listen(64)
+            self._sock.setblocking(False)
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._waiters: dict[bytes, asyncio.Future[socket.socket]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @staticmethod
+    def _proof(binding: bytes) -> bytes:
+        return hmac.new(binding, b"kvflow-shm-rendezvous", "sha256").digest()
+
+    async def dial(self, name: str, binding: bytes) -> socket.socket:
+        """The initiator's side: connect to the peer's rendezvous and pair with ``binding``."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await self._loop.sock_connect(sock, "\0" + name)
+            await self._loop.sock_sendall(sock, binding)
+            proof = await _recv_exact(self._loop, sock, 32)
+            if not hmac.compare_digest(proof, self._proof(binding)):
+                raise LLMLinkFailed("shm: the rendezvous socket did not prove that it belongs to the peer")
+        except OSError as exc:
+            sock.close()
+            raise LLMLinkFailed(f"shm: cannot reach the peer's rendezvous socket: {exc.strerror or exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def wait(self, binding: bytes) -> socket.socket:
+        """The acceptor's side: the connection that pairs with ``binding``."""
+        fut = self._waiters[binding] = self._loop.create_future()
+        try:
+            return await fut
+        finally:
+            if self._waiters.get(binding) is fut:
+                del self._waiters[binding]
+
+    def _accept(self) -> None:
+        for _ in range(16):
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("shm rendezvous: accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            if len(self._tasks) >= 64:  # a flood: refuse rather than queue
+                sock.close()
+                continue
+            task = self._loop.create_task(self._pair(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pair(self, sock: socket.socket) -> None:
+        try:
+            async with asyncio.timeout(_RENDEZVOUS_S):
+                binding = await _recv_exact(self._loop, sock, _BINDING)
+            fut = self._waiters.get(binding)
+            if fut is None or fut.done():
+                sock.close()
+                return
+            await self._loop.sock_sendall(sock, self._proof(binding))
+            fut.set_result(sock)
+        except (OSError, TimeoutError, LLMException):
+            sock.close()
+
+    async def identify(self, sock: socket.socket) -> tuple[int, int | None]:
+        """The peer process behind a paired socket, from the kernel: (pid, pidfd or None), once we
+        know that we may read and write its memory."""
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        if pid <= 0:
+            raise LLMLinkFailed("shm: the peer's process is not visible from here (another PID namespace)")
+        pidfd: int | None = None
+        if pid != os.getpid():
+            try:
+                pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+            except OSError:
+                try:  # older kernel: a pidfd by number, confirmed below while the peer is still connected
+                    pidfd = os.pidfd_open(pid)
+                except OSError as exc:
+                    raise LLMLinkFailed(f"shm: peer process {pid} is gone ({exc.strerror})") from None
+            try:
+                _check_access(pid)
+                # Each side answers only after it holds its pidfd: the peer is then alive, so the
+                # pid was not reused in between.
+                await self._loop.sock_sendall(sock, b"\1")
+                if await _recv_exact(self._loop, sock, 1) != b"\1":
+                    raise LLMLinkFailed("shm: the peer broke off the rendezvous")
+            except OSError as exc:
+                os.close(pidfd)
+                raise LLMLinkFailed(f"shm: the peer broke off the rendezvous ({exc.strerror or exc})") from None
+            except BaseException:
+                os.close(pidfd)
+                raise
+        return pid, pidfd
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        for task in self._tasks:
+            task.cancel()
+        for fut in self._waiters.values():
+            fut.cancel()
+
+
+def _check_access(pid: int) -> None:
+    """LLMLinkFailed unless the kernel lets us access process ``pid``'s memory (the ptrace access
+    check behind process_vm_readv, made by opening /proc/PID/mem: nothing is read)."""
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # no /proc here: the first copy will tell
+    except PermissionError as exc:
+        raise LLMLinkFailed(f"shm: no access to the memory of peer process {pid} ({exc.strerror}: another "
+                            "uid, or Yama ptrace_scope; see docs/shm.md)") from None
+    os.close(fd)
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise LLMLinkFailed("shm: the peer closed the rendezvous socket")
+        buf += chunk
+    return buf
 
 
 def _int_option(options: Mapping[str, str], key: str, default: int, lo: int) -> int:
@@ -149,6 +315,7 @@ class ShmEndpoint(Endpoint):
         self._closed: LLMException | None = None
         self._inflight: set[_Op] = set()
         self._watching = False
+        self._exited = False
         self._out = ll.scratch()  # for copies on the loop thread
         if pidfd is not None:
             try:
@@ -230,6 +397,7 @@ class ShmEndpoint(Endpoint):
             self._loop.call_soon(self._channel.broken, exc)
 
     def _on_peer_exit(self) -> None:
+        self._exited = True
         self._broken(LLMLinkFailed(f"peer process {self.pid} exited"))
 
     def abort(self, exc: BaseException) -> None:
@@ -237,16 +405,24 @@ class ShmEndpoint(Endpoint):
             self._closed = exc if isinstance(exc, LLMException) else LLMLinkFailed(str(exc) or type(exc).__name__)
         for op in self._inflight:
             op.stop.set()
-        if self._pidfd is not None:
-            if self._watching:
-                with contextlib.suppress(RuntimeError):  # the loop is already closed
-                    self._loop.remove_reader(self._pidfd)
-                self._watching = False
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._watching:  # the pidfd stays open until close(): peer_exited() still needs it
+            with contextlib.suppress(RuntimeError, ValueError):  # the loop is already closed
+                self._loop.remove_reader(self._pidfd)
+            self._watching = False
+
+    def peer_exited(self) -> bool:
+        if self._pidfd is None:
+            return self._exited
+        if not self._exited and select.select([self._pidfd], [], [], 0)[0]:  # a pidfd reads ready at exit
+            self._exited = True
+        return self._exited
 
     async def close(self) -> None:
         self.abort(LLMLinkFailed("link closed"))
+        if self._pidfd is not None:
+            self.peer_exited()  # remembered once the fd is gone
+            os.close(self._pidfd)
+            self._pidfd = None
         self._transport._endpoints.discard(self)
         pending = [f for op in self._inflight for f in op.futs]
         if pending:
@@ -288,8 +464,7 @@ class ShmTransport(Transport):
         super().__init__(ctx)
         self.inline_bytes = _int_option(ctx.options, "kvflow.shm.InlineBytes", DEFAULT_INLINE_BYTES, 0)
         self.threads = _int_option(ctx.options, "kvflow.shm.Threads", DEFAULT_THREADS, 1)
-        self._nonce = os.urandom(PROBE_BYTES)
-        self._probe = ctypes.create_string_buffer(self._nonce, PROBE_BYTES)
+        self._rv: _Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local: dict[int, tuple[LocalCache, ll.Regions]] = {}
         self._endpoints: set[ShmEndpoint] = set()
@@ -321,57 +496,54 @@ class ShmTransport(Transport):
         return {
             "boot_id": _boot_id(),
             "hostname": socket.gethostname(),
-            "pid_ns": _pid_ns(),
-            "pid": os.getpid(),
-            "uid": os.getuid(),
-            "probe_addr": ctypes.addressof(self._probe),
-            "probe_len": PROBE_BYTES,
-            "nonce": self._nonce,
+            "pid_ns": _ns_inode("pid"),
+            "net_ns": _ns_inode("net"),
+            "uds": self._rendezvous().name,
         }
 
     def check_peer(self, info: Mapping[str, Any]) -> str | None:
+        """Whether the peer can be on this host, in this PID and network namespace (no probe of the
+        peer: its identity is proven in :meth:`connect`)."""
         try:
-            boot_id, pid_ns, pid = str(info["boot_id"]), int(info["pid_ns"]), int(info["pid"])
-            addr, n, nonce = int(info["probe_addr"]), int(info["probe_len"]), bytes(info["nonce"])
+            boot_id, pid_ns, net_ns = str(info["boot_id"]), int(info["pid_ns"]), int(info["net_ns"])
+            uds = str(info["uds"])
         except (KeyError, TypeError, ValueError) as exc:
             return f"peer sent an incomplete shm description ({exc!r})"
         host = info.get("hostname", "?")
         if not boot_id or boot_id != _boot_id():
             return f"different host (peer {host} boot id {boot_id or '?'})"
-        if pid_ns != _pid_ns():
-            return f"different PID namespace (peer pid {pid} in pid ns {pid_ns}, ours {_pid_ns()})"
-        if not 0 < n <= 64 or len(nonce) != n:
-            return "peer sent a malformed probe region"
-        try:
-            got = ll.probe_read(pid, addr, n)
-        except LLMException as exc:
-            return f"probe read failed: {exc.args[0]}"
-        if got != nonce:
-            return f"probe read of pid {pid} returned other bytes (not the peer process)"
+        if pid_ns != _ns_inode("pid"):
+            return f"different PID namespace (peer's pid ns {pid_ns}, ours {_ns_inode('pid')})"
+        if net_ns != _ns_inode("net"):
+            return "different network namespace (the shm identity check needs one abstract Unix socket namespace)"
+        if not uds.startswith(_UDS_PREFIX) or len(uds) > 100:
+            return "peer sent a malformed rendezvous name"
         return None
 
     async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:
+        """Prove who the peer is through the kernel (``SO_PEERCRED``/``SO_PEERPIDFD`` on a Unix socket
+        that only this link's two ends can pair on), check that we may access its memory, and open
+        the endpoint to that process: never to a pid the peer claimed."""
         reason = self.check_peer(info)
         if reason is not None:
             raise LLMLinkFailed(f"shm: {reason}")
-        pid = int(info["pid"])
-        pidfd: int | None = None
-        if pid != os.getpid():
-            try:
-                pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                raise LLMLinkFailed(f"shm: peer process {pid} is gone") from None
-            except (OSError, AttributeError) as exc:  # old kernel: no exit watch
-                log.debug("shm: pidfd_open(%d) failed: %s", pid, exc)
-            # The pidfd pins the identity of whatever process has this pid now: prove it is the peer.
-            reason = self.check_peer(info)
-            if reason is not None:
-                if pidfd is not None:
-                    os.close(pidfd)
-                raise LLMLinkFailed(f"shm: {reason}")
+        rv = self._rendezvous()
+        if channel.initiator:
+            sock = await rv.dial(str(info["uds"]), channel.binding)
+        else:
+            sock = await rv.wait(channel.binding)
+        try:
+            pid, pidfd = await rv.identify(sock)
+        finally:
+            sock.close()
         ep = ShmEndpoint(self, pid, pidfd, channel)
         self._endpoints.add(ep)
         return ep
+
+    def _rendezvous(self) -> _Rendezvous:
+        if self._rv is None:
+            self._rv = _Rendezvous()
+        return self._rv
 
     # ------------------------------------------------------------------ threads
     def _executor(self) -> ThreadPoolExecutor:
@@ -386,4 +558,7 @@ class ShmTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+        if self._rv is not None:
+            self._rv.close()
+            self._rv = None
         self._local.clear()
