@@ -14,7 +14,16 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvflow import CacheDesc, CacheIndex, DataType, LlmDataDist, LLMException, LLMKvCacheNotExist, LLMStatusCode
+from kvflow import (
+    CacheDesc,
+    CacheIndex,
+    DataType,
+    LlmDataDist,
+    LLMException,
+    LLMKvCacheNotExist,
+    LLMStatusCode,
+    Placement,
+)
 
 
 class MyConnector:
@@ -111,11 +120,76 @@ async def test_my_fake_transport_would_pass_conformance(transport_conformance) -
     await transport_conformance("tcp", timeout=120)
 
 
+# ---------------------------------------------------------------------- hardware-bound (skipped where it is missing)
+RDMA_ONLY = {"kvflow.ucx.TLS": "rc,self", "kvflow.ucx.RequireRdma": "yes"}  # UCX's RC verbs, even on one host
+
+
 @pytest.mark.requires_rdma
-def test_only_on_rdma_machines() -> None:
-    raise AssertionError("runs only where an RDMA port is ACTIVE")
+@pytest.mark.requires_transport("ucx")
+@pytest.mark.asyncio
+@pytest.mark.kvflow_pair(desc=CacheDesc(4, DataType.DT_FLOAT16, [32, 16, 8, 128]), transport="ucx,tcp",
+                         options=RDMA_ONLY)
+async def test_fetch_and_push_over_rdma(kvflow_pair) -> None:
+    # UCX may use only its RDMA transport, and kvflow takes ucx only if both sides have RDMA:
+    # linked over ucx, every byte below moved by RDMA. tcp is there to learn why ucx was refused.
+    if kvflow_pair.transport != "ucx":
+        why = kvflow_pair.dd.link_info(kvflow_pair.remote_cluster_id).fallbacks.get("ucx", "?")
+        if "no RDMA transport" in why:  # e.g. the libucx-cu12 wheel, built without verbs
+            pytest.skip(f"this UCX build has no RDMA transport ({why}); build kvflow-ucx against a UCX "
+                        "with verbs (KVFLOW_UCX_PREFIX, docs/ucx.md)")
+        pytest.fail(f"linked over {kvflow_pair.transport}, not ucx: {why}")
+    conn = MyConnector(kvflow_pair.dd, kvflow_pair.cache)
+    wanted = [31, 5, 2, 7, 8, 9, 10, 0]
+    got = await conn.fetch(kvflow_pair.remote, wanted)
+    assert got == list(range(8))
+    await kvflow_pair.remote_push_blocks([11, 12, 13], [20, 21, 22])  # and the prefill side pushes over RDMA
+    remote = await kvflow_pair.remote_read()
+    for local, rem in zip(kvflow_pair.local, remote):
+        local_b, remote_b = kvflow_pair.blocks(local), kvflow_pair.blocks(rem)
+        assert np.array_equal(local_b[got], remote_b[wanted])
+        assert np.array_equal(local_b[[20, 21, 22]], remote_b[[11, 12, 13]])
+        assert not local_b[8:20].any() and not local_b[23:].any()  # nothing else was written
 
 
 @pytest.mark.requires_gpu
-def test_only_on_gpu_machines() -> None:
-    raise AssertionError("runs only where a CUDA GPU is present")
+@pytest.mark.requires_transport("ucx")
+@pytest.mark.asyncio
+@pytest.mark.kvflow_pair(desc=CacheDesc(2, DataType.DT_FLOAT16, [16, 4, 8]), transport="ucx")
+async def test_blocks_move_between_gpu_memory_and_the_prefill_worker(kvflow_pair) -> None:
+    # the decode side's cache in CUDA memory (Placement.DEVICE); ucx moves device memory, shm and tcp do not
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch is installed without a usable CUDA device")
+    desc = kvflow_pair.desc
+    dd, nb = kvflow_pair.dd, desc.num_blocks
+    gpu_desc = CacheDesc(desc.num_tensors, desc.data_type, list(desc.shape), placement=Placement.DEVICE)
+    gpu = [torch.zeros(tuple(desc.shape), dtype=torch.float16, device="cuda") for _ in range(desc.num_tensors)]
+    cache = await dd.register_kv_cache(gpu_desc, gpu)
+
+    def gpu_blocks(t: int) -> np.ndarray:  # one GPU tensor's bytes, copied to the host, as [blocks, bytes]
+        return kvflow_pair.blocks(gpu[t].cpu().numpy().view(np.uint8).reshape(-1))
+
+    try:
+        # prefill blocks 5, 2, 7 into GPU blocks 0, 1, 2
+        await dd.pull_kv_blocks(kvflow_pair.remote, cache, [5, 2, 7], [0, 1, 2])
+        torch.cuda.synchronize()
+        before = await kvflow_pair.remote_read()
+        for t, rem in enumerate(before):
+            got = gpu_blocks(t)
+            assert np.array_equal(got[[0, 1, 2]], kvflow_pair.blocks(rem)[[5, 2, 7]])
+            assert not got[3:].any()
+        # new bytes in GPU blocks 3 and 4, pushed into the prefill's blocks 0 and 1
+        rng = np.random.default_rng(5)
+        for g in gpu:
+            host = g.cpu().numpy()
+            host.view(np.uint8).reshape(nb, -1)[3:5] = rng.integers(0, 256, (2, desc.stride), dtype=np.uint8)
+            g.copy_(torch.from_numpy(host))
+        torch.cuda.synchronize()
+        await dd.push_kv_blocks(cache, kvflow_pair.remote, [3, 4], [0, 1])
+        after = await kvflow_pair.remote_read()
+        for t, (old, new) in enumerate(zip(before, after)):
+            new_b, old_b = kvflow_pair.blocks(new), kvflow_pair.blocks(old)
+            assert np.array_equal(new_b[[0, 1]], gpu_blocks(t)[[3, 4]])
+            assert np.array_equal(new_b[2:], old_b[2:])  # nothing else was written
+    finally:
+        await dd.unregister_kv_cache(cache.cache_id)
