@@ -583,6 +583,10 @@ class LlmDataDist:
             log.info("incoming link handshake timed out")
             writer.close()
             return None
+        except LLMException as exc:  # refused (a bad MAC, a protocol error): say why, then hang up
+            log.info("incoming link refused: %s", exc)
+            session.reject(exc.status_code, str(exc.args[0]))
+            return None
         except BaseException:
             writer.close()
             raise

@@ -618,9 +618,9 @@ async def server(cleanup: list[Any], d: CacheDesc | None = None, seed: int = 40,
 
 
 async def serves_a_real_client(srv: LlmDataDist, cache: Any, g: Guarded, cleanup: list[Any],
-                               cluster: int = 7) -> None:
+                               cluster: int = 7, **opts: str) -> None:
     """After whatever happened, a well-behaved peer links and pulls correct bytes."""
-    dd = await make_dd(cluster)
+    dd = await make_dd(cluster, **opts)
     cleanup.append(dd)
     assert srv.listen_address is not None
     assert await link(dd, PEER, srv.listen_address) == LLMStatusCode.LLM_SUCCESS
