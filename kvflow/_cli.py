@@ -89,6 +89,12 @@ def _bench_layerwise(args: argparse.Namespace) -> int:
     return cli(args, console)
 
 
+def _bench_sync(args: argparse.Namespace) -> int:
+    from ._bench_sync import cli
+
+    return cli(args)
+
+
 def _info(args: argparse.Namespace) -> int:
     from . import __version__
     from .transport import available_transports
@@ -144,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     lw.add_argument("--repeat", type=int, default=5)
     lw.add_argument("--json", help="also write the rows as JSON to this path")
     lw.set_defaults(fn=_bench_layerwise)
+    bs = sub.add_parser("bench-sync", help="4 KiB pull latency through kvflow.sync beside the async API")
+    from ._bench_sync import add_arguments
+
+    add_arguments(bs)
+    bs.set_defaults(fn=_bench_sync)
     i = sub.add_parser("info", help="version, event loop and every transport with ok or the reason")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)
