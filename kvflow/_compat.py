@@ -1,16 +1,10 @@
-"""Small shims across the supported Python versions (3.10+)."""
+"""Names the core uses for deadlines (kept in one place; Python 3.11+)."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
+from asyncio import timeout
 
-if sys.version_info >= (3, 11):
-    from asyncio import timeout
-else:  # pragma: no cover - exercised on 3.10 only
-    from async_timeout import timeout
-
-#: What a deadline raises: builtin TimeoutError on 3.11+, asyncio.TimeoutError on 3.10.
-TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
+#: What a deadline raises (on 3.11+ ``asyncio.TimeoutError`` is the builtin).
+TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError,)
 
 __all__ = ["TIMEOUT_ERRORS", "timeout"]

@@ -407,7 +407,7 @@ class Link:
                 log.debug("endpoint close failed", exc_info=True)
         try:
             await asyncio.wait_for(self._writer.wait_closed(), 1.0)
-        except (Exception, asyncio.TimeoutError):
+        except (TimeoutError, Exception):
             pass
 
 

@@ -159,7 +159,7 @@ async def peer(net: Net) -> Any:
                 assert proc.stdin is not None
                 proc.stdin.write(b"stop\n")
                 await asyncio.wait_for(proc.wait(), 5)
-            except (asyncio.TimeoutError, OSError, ConnectionError):
+            except (TimeoutError, OSError, ConnectionError):
                 proc.kill()  # our own child, by its handle
                 await proc.wait()
 

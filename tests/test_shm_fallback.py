@@ -65,6 +65,6 @@ async def test_peer_in_another_pid_namespace_falls_back_to_tcp() -> None:
             peer.stdin.close()
         try:
             await asyncio.wait_for(peer.wait(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             peer.kill()
             await peer.wait()

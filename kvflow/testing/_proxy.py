@@ -251,7 +251,7 @@ class FaultProxy:
             return
         try:
             up = await asyncio.wait_for(asyncio.open_connection(*self.target), self.connect_timeout)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             writer.transport.abort()
             return
         conn = ProxyConnection(self, index, (reader, writer), up)
