@@ -46,6 +46,12 @@ def _needs(name: str) -> Any:
     return pytest.mark.skipif(why != "ok", reason=f"{name}: {why}")
 
 
+#: The listener's transports in the handshake attacks: the control plane is the same, but what a
+#: welcome discloses and what a choice makes the listener do is each transport's own.
+LISTENER = [pytest.param("tcp", id="tcp"), pytest.param("shm,tcp", id="shm", marks=_needs("shm")),
+            pytest.param("ucx,tcp", id="ucx", marks=_needs("ucx"))]
+
+
 # ---------------------------------------------------------------------------------------- handshake
 @pytest.mark.asyncio
 @_needs("shm")
@@ -190,23 +196,25 @@ TAMPER: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("transports", LISTENER)
 @pytest.mark.parametrize("frame", sorted(TAMPER))
-async def test_relay_that_alters_the_handshake_is_detected(cleanup: list[Any], frame: str) -> None:
-    srv, g, cache = await server(cleanup, desc(4, 4096), **KEY)
+async def test_relay_that_alters_the_handshake_is_detected(cleanup: list[Any], frame: str, transports: str) -> None:
+    srv, g, cache = await server(cleanup, desc(4, 4096), **KEY, **{"kvflow.Transports": transports})
     assert srv.listen_address is not None and g is not None
     relay = Relay(srv.listen_address, TAMPER[frame])
     via = await relay.start()
     try:
-        dd = await make_dd(8, **KEY)
+        dd = await make_dd(8, **KEY, **{"kvflow.Transports": transports})
         cleanup.append(dd)
         assert await link(dd, PEER, via) == LLMStatusCode.LLM_LINK_FAILED
         await until(lambda: 8 not in srv._links or not srv._links[8].healthy, 5, "no link on the server")
         assert 8 not in dd._links
         # the same relay, altering nothing, links: the failure above was the alteration's
         relay.alter = lambda m: None
-        dd2 = await make_dd(9, **KEY)
+        dd2 = await make_dd(9, **KEY, **{"kvflow.Transports": transports})
         cleanup.append(dd2)
         assert await link(dd2, PEER, via) == LLMStatusCode.LLM_SUCCESS
+        assert dd2.link_info(PEER).transport == transports.split(",")[0]
     finally:
         relay.close()
     await serves_a_real_client(srv, cache, g, cleanup, **KEY)
@@ -263,16 +271,18 @@ _frames = st.one_of(
     st.just({"t": "auth", "mac": b"\0" * 32}),
     st.just({"t": "hello", "transports": "x" * 100_000}),
 )
-FUZZ_EXAMPLES = int(os.environ.get("KVFLOW_HANDSHAKE_FUZZ", "150"))
+FUZZ_EXAMPLES = int(os.environ.get("KVFLOW_HANDSHAKE_FUZZ", "100"))
 fuzz_log: dict[str, int] = {"inputs": 0, "links": 0}
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("transports", LISTENER)
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "key"])
-async def test_handshake_fuzz_never_links_crashes_or_hangs(cleanup: list[Any], keyed: bool) -> None:
+async def test_handshake_fuzz_never_links_crashes_or_hangs(cleanup: list[Any], keyed: bool, transports: str) -> None:
     """Truncated, reordered, replayed and oversized frames, wrong MACs: the server closes each
     connection within the handshake bound, links nobody, and still serves a real client."""
-    opts = {**(KEY if keyed else {}), "kvflow.HeartbeatInterval": "100", "kvflow.HeartbeatTimeout": "600"}
+    opts = {**(KEY if keyed else {}), "kvflow.HeartbeatInterval": "100", "kvflow.HeartbeatTimeout": "600",
+            "kvflow.Transports": transports}
     srv, g, cache = await server(cleanup, desc(4, 4096), **opts)
     addr = srv.listen_address
     assert addr is not None and g is not None
@@ -288,7 +298,8 @@ async def test_handshake_fuzz_never_links_crashes_or_hangs(cleanup: list[Any], k
             c.send(wire.MAGIC_CONTROL)
             if with_hello:
                 c.send_msg({"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": 9, "expect": PEER,
-                            "instance": "fuzz", "auth": keyed, "cnonce": os.urandom(32), "transports": ["tcp"]})
+                            "instance": "fuzz", "auth": keyed, "cnonce": os.urandom(32),
+                            "transports": transports.split(",")})
             try:
                 for i, f in enumerate(frames):
                     body = msgpack.packb(f, use_bin_type=True)
@@ -306,7 +317,7 @@ async def test_handshake_fuzz_never_links_crashes_or_hangs(cleanup: list[Any], k
     await asyncio.to_thread(one)
     assert worst[0] < 2.5, worst  # the handshake bound (1 s here), with slack for a loaded machine
     assert not srv._links and not srv._linking and not srv._data_waiters
-    await serves_a_real_client(srv, cache, g, cleanup, **(KEY if keyed else {}))
+    await serves_a_real_client(srv, cache, g, cleanup, **(KEY if keyed else {}), **{"kvflow.Transports": transports})
 
 
 # ---------------------------------------------------------------------------------------- unregister
