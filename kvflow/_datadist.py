@@ -176,6 +176,8 @@ class LlmDataDist:
 
     def _ready(self) -> None:
         if not self._initialized:
+            if self._finalized:
+                raise LLMFailed("LlmDataDist was finalized; create a new one")
             raise LLMFailed("LlmDataDist is not initialized (call initialize first)")
 
     @property

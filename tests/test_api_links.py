@@ -19,6 +19,7 @@ from kvflow import (
     LLMClusterNumExceedLimit,
     LlmDataDist,
     LLMException,
+    LLMFailed,
     LLMParamInvalid,
     LlmRole,
     LLMStatusCode,
@@ -215,3 +216,14 @@ async def test_many_links_from_one_process() -> None:
         finally:
             for c in clients:
                 await c.finalize()
+
+
+@pytest.mark.asyncio
+async def test_calls_after_finalize_say_finalized() -> None:
+    dd = LlmDataDist(5, LlmRole.DECODER)
+    with pytest.raises(LLMFailed, match="not initialized"):
+        await dd.unregister_kv_cache(1)
+    await dd.initialize({"kvflow.Transports": "tcp"})
+    await dd.finalize()
+    with pytest.raises(LLMFailed, match="was finalized"):
+        await dd.unregister_kv_cache(1)
