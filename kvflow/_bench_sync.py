@@ -161,7 +161,7 @@ def cli(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvflow bench-sync``."""
-    p.add_argument("--transport", default="shm", help="transport of both links (default shm)")
+    p.add_argument("--transport", default="shm", help="transport of both links")
     p.add_argument("--n", type=int, default=2000, help="pulls each way")
     p.add_argument("--rounds", type=int, default=10, help="alternating async/sync rounds the pulls are split into")
     p.add_argument("--json", help="also write the figures as JSON to this path")

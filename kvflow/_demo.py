@@ -97,7 +97,12 @@ async def _prefill(conn: Connection) -> None:
 
 
 async def run_demo(shape: Shape, transport: str, progress: Any = None) -> dict[str, Any]:
-    """Run both sides; returns the figures (raises if any byte differs)."""
+    """Run both sides; returns the figures (raises if any byte differs).
+
+    ``progress(step, done, total)`` is called with ``done == 0`` as a step ("push", "pull") starts,
+    then as it advances. A step's seconds run from its first request to its last acknowledged byte;
+    ``setup_seconds`` (process start, memory, link, filling both requests) is in neither."""
+    t_setup = time.perf_counter()
     peer = PeerProcess(_prefill)
     try:
         peer.send({"shape": shape, "transport": transport})
@@ -119,6 +124,9 @@ async def run_demo(shape: Shape, transport: str, progress: Any = None) -> dict[s
                    "pull_blocks": p_pull.tolist()})
         await peer.recv(120)  # prefill has "computed" (filled) both requests
         t0 = time.perf_counter()
+        setup_s = t0 - t_setup
+        if progress:
+            progress("push", 0, shape.layers)
         peer.send("go")
         layer_times = []
         while True:
@@ -131,6 +139,8 @@ async def run_demo(shape: Shape, transport: str, progress: Any = None) -> dict[s
                 break
         push_s = time.perf_counter() - t0
         used = dd.link_info(PREFILL).transport
+        if progress:
+            progress("pull", 0, 1)
         t1 = time.perf_counter()
         await dd.pull_kv_blocks(CacheIndex(PREFILL, hello["cache_id"]), cache, p_pull, d_pull,
                                 timeout_in_millis=60_000)
@@ -154,6 +164,7 @@ async def run_demo(shape: Shape, transport: str, progress: Any = None) -> dict[s
             "pull_seconds": pull_s,
             "pull_gib_s": shape.request_bytes / pull_s / (1 << 30),
             "bytes_checked": 2 * shape.request_bytes,
+            "setup_seconds": setup_s,
         }
     finally:
         peer.stop()

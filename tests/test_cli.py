@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvflow._cli import build_parser, shadowing_kvflow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,6 +25,64 @@ def test_kvflow_demo_small_shape() -> None:
              "--transport", "tcp")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bytes checked" in r.stdout and "push" in r.stdout and "GiB/s" in r.stdout
+    # The bars and the table show the same time per step; setup is in neither, and said so.
+    steps = (("push layer by layer", "push (layer by layer)"), ("pull blocks", "pull (block list)"))
+    for bar_label, row_label in steps:
+        bar = re.search(re.escape(bar_label) + r".*?(\d+\.\d ms)", r.stdout)
+        row = re.search(re.escape(row_label) + r".*?(\d+\.\d ms)", r.stdout)
+        assert bar and row and bar.group(1) == row.group(1), r.stdout
+    assert "setup before it" in r.stdout and "is in neither" in r.stdout
+
+
+def test_demo_unknown_transport_one_line() -> None:
+    r = _run(sys.executable, "-m", "kvflow._cli", "demo", "--transport", "bogus", timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "'bogus'" in lines[0] and "tcp (ok)" in lines[0], lines[0]
+    assert "Traceback" not in lines[0] and "EOFError" not in lines[0]
+
+
+def test_help_lists_every_command_and_default() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"demo", "bench", "bench-layerwise", "bench-sync", "info"} <= set(commands)
+    r = _run(sys.executable, "-m", "kvflow._cli", "--help", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "``" not in r.stdout and ":func:" not in r.stdout, r.stdout
+    for name in commands:
+        assert re.search(rf"^\s+{re.escape(name)}\b", r.stdout, re.M), f"{name} missing from kvflow --help"
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert "``" not in text, (name, text)
+        for action in sub._actions:
+            if action.default in (None, "", False, argparse.SUPPRESS) or not action.option_strings:
+                continue
+            assert action.help, f"kvflow {name} {action.option_strings[0]} has no help"
+            shown = " ".join(text.split())  # argparse wraps lines
+            assert f"(default: {action.default})" in shown or "default" in action.help, (name, action.dest, text)
+
+
+def test_clone_named_kvflow_beside_a_script(tmp_path: Path) -> None:
+    """A directory called kvflow without __init__.py (a clone of the repository) beside a script: the
+    CLI, run from there, warns exactly when the script's ``import kvflow`` would not find this package."""
+    clone = tmp_path / "kvflow"
+    (clone / "kvflow").mkdir(parents=True)
+    (clone / "README.md").write_text("# kvflow\n")
+    (tmp_path / "script.py").write_text("from kvflow import CacheDesc\nprint('imported', CacheDesc.__module__)\n")
+    script = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    # -P: no directory first on sys.path, as for the installed `kvflow` console script
+    cli = subprocess.run([sys.executable, "-P", "-m", "kvflow._cli", "info"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    if script.returncode == 0:  # a regular install: found after the clone on sys.path, and wins
+        assert "imported kvflow" in script.stdout
+        assert "warning" not in cli.stderr, cli.stderr
+    else:  # an editable install: its finder runs only after sys.path, where the clone already matched
+        assert "cannot import name 'CacheDesc' from 'kvflow' (unknown location)" in script.stderr, script.stderr
+        assert f"imports {clone} as an empty 'kvflow' namespace package" in cli.stderr, cli.stderr
+        assert "kvflow-src" in cli.stderr
+    assert shadowing_kvflow(ROOT) is None  # the checkout itself holds the real package
 
 
 @pytest.mark.parametrize("script", ["typical_cache_transfer.py", "blocks_cache_transfer.py"])
@@ -33,6 +95,7 @@ def test_examples(script: str) -> None:
 def test_info_lists_transports() -> None:
     r = _run(sys.executable, "-m", "kvflow._cli", "info", "--json")
     assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr, r.stderr
     info = json.loads(r.stdout)
     assert info["transports"]["tcp"] == "ok"
 
