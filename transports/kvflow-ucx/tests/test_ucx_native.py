@@ -157,3 +157,39 @@ def test_a_dead_peer_fails_the_operation() -> None:
         w.destroy()
     finally:
         peer.stop()
+
+
+def test_sibling_worker_shares_the_context() -> None:
+    """A sibling worker (the transport's target) serves memory mapped through its parent: a get from
+    the parent's endpoint to the sibling reads it with the parent's rkey. Destroying the parent
+    destroys the sibling first."""
+    config = _ucx_config({"kvflow.ucx.TLS": "tcp"})[0]
+    w = ll.Worker(config)
+    target = w.sibling()
+    assert target.address != w.address and target.efd != w.efd
+    src = np.random.default_rng(3).integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    ms, md = w.mem_map(int(src.ctypes.data), src.nbytes), w.mem_map(int(dst.ctypes.data), dst.nbytes)
+    ep = w.connect(target.address)
+    rkey = ep.rkey_unpack(ms.rkey)
+    one = np.zeros(1, dtype=np.int64)
+    op = w.new_op()
+    ep.rma(op, False, np.array([dst.ctypes.data], np.uint64), np.array([src.ctypes.data], np.uint64),
+           np.array([src.nbytes], np.uint64), one, w.memh_table([md]), one, w.rkey_table([rkey]), 1 << 62)
+    status = op.finish()
+    for _ in range(2_000_000):
+        if status is not None:
+            break
+        target.progress()  # UCX's TCP emulates the get with messages: the target serves them
+        w.progress()
+        status = next((st for ev_id, kind, st in w.events() if kind == ll.EV_OP and ev_id == op.id), None)
+    assert status == ll.UCS_OK
+    assert np.array_equal(src, dst)
+    close = w.new_op()
+    ep.close(close, force=True)
+    _drive(w, close)
+    ll.Endpoint.rkey_destroy(rkey)
+    w.mem_unmap(ms)
+    w.mem_unmap(md)
+    w.destroy()
+    assert not target.alive and not w.alive

@@ -262,13 +262,15 @@ async def test_idle_linked_pair_uses_no_cpu(tls: str) -> None:
                 await dd.pull_kv_blocks(CacheIndex(1, info["cache_id"]), cache, every, every)
                 transport = dd._transports["ucx"]
                 await asyncio.sleep(0.5)
-                wake0 = transport._progress.wakeups  # type: ignore[attr-defined]
+                # both workers: ours (our endpoints) and the target (peers' endpoints to us)
+                progress = (transport._progress, transport._target_progress)  # type: ignore[attr-defined]
+                wake0 = sum(p.wakeups for p in progress)
                 me0, peer0, t0 = time.process_time(), proc_cpu_seconds(peer.pid), time.monotonic()
                 await asyncio.sleep(3.0)
                 wall = time.monotonic() - t0
                 me = (time.process_time() - me0) / wall
                 other = (proc_cpu_seconds(peer.pid) - peer0) / wall
-                wakeups = transport._progress.wakeups - wake0  # type: ignore[attr-defined]
+                wakeups = sum(p.wakeups for p in progress) - wake0
                 print(f"\n[{tls}] idle linked pair over {wall:.1f} s: this process {me * 100:.2f}% CPU, "
                       f"peer {other * 100:.2f}% CPU, UCX event-fd wakeups {wakeups}")
                 assert me < 0.03 and other < 0.03

@@ -81,6 +81,7 @@ void kvf_versions(unsigned *hdr_major, unsigned *hdr_minor,
 void kvf_free(void *p);
 
 int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_worker **out);
+int kvf_worker_sibling(kvf_worker *parent, kvf_worker **out);
 void kvf_worker_destroy(kvf_worker *w);
 int kvf_worker_efd(kvf_worker *w);
 int kvf_worker_arm(kvf_worker *w);
@@ -135,6 +136,7 @@ typedef struct {
 
 typedef struct kvf_worker {
     ucp_context_h ctx;
+    int owns_ctx;  /* 0 for a sibling: another worker on its parent's context */
     ucp_worker_h worker;
     int efd;
     kvf_event *ev;
@@ -193,11 +195,30 @@ void kvf_versions(unsigned *hdr_major, unsigned *hdr_minor,
     ucp_get_version(lib_major, lib_minor, lib_release);
 }
 
+/* A single-threaded worker on w->ctx, with its event fd. */
+static ucs_status_t kvf_worker_open(kvf_worker *w)
+{
+    ucp_worker_params_t wparams;
+    ucs_status_t st;
+
+    memset(&wparams, 0, sizeof(wparams));
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    st = ucp_worker_create(w->ctx, &wparams, &w->worker);
+    if (st != UCS_OK) {
+        return st;
+    }
+    st = ucp_worker_get_efd(w->worker, &w->efd);
+    if (st != UCS_OK) {
+        ucp_worker_destroy(w->worker);
+    }
+    return st;
+}
+
 int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_worker **out)
 {
     ucp_config_t *config;
     ucp_params_t params;
-    ucp_worker_params_t wparams;
     ucs_status_t st;
     size_t i;
     kvf_worker *w = calloc(1, sizeof(*w));
@@ -230,19 +251,30 @@ int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_work
         free(w);
         return st;
     }
-    memset(&wparams, 0, sizeof(wparams));
-    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
-    st = ucp_worker_create(w->ctx, &wparams, &w->worker);
+    w->owns_ctx = 1;
+    st = kvf_worker_open(w);
     if (st != UCS_OK) {
         ucp_cleanup(w->ctx);
         free(w);
         return st;
     }
-    st = ucp_worker_get_efd(w->worker, &w->efd);
+    *out = w;
+    return UCS_OK;
+}
+
+/* Another worker on the parent's context: memory maps and packed rkeys are the context's, so
+ * they serve both. Destroy it before the parent. */
+int kvf_worker_sibling(kvf_worker *parent, kvf_worker **out)
+{
+    ucs_status_t st;
+    kvf_worker *w = calloc(1, sizeof(*w));
+
+    if (w == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    w->ctx = parent->ctx;
+    st = kvf_worker_open(w);
     if (st != UCS_OK) {
-        ucp_worker_destroy(w->worker);
-        ucp_cleanup(w->ctx);
         free(w);
         return st;
     }
@@ -253,7 +285,9 @@ int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_work
 void kvf_worker_destroy(kvf_worker *w)
 {
     ucp_worker_destroy(w->worker);
-    ucp_cleanup(w->ctx);
+    if (w->owns_ctx) {
+        ucp_cleanup(w->ctx);
+    }
     free(w->ev);
     free(w);
 }

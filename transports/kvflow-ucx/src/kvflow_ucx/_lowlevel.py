@@ -314,27 +314,34 @@ class Endpoint:
 
 
 class Worker:
-    """A UCP context (features RMA and WAKEUP) and one single-threaded worker on it.
+    """A UCP context (features RMA and WAKEUP) and one single-threaded worker on it, or (``parent``)
+    another worker on the parent's context.
 
     ``config`` entries are UCX variables without the ``UCX_`` prefix (``{"TLS": "tcp"}``) and
     override the environment for this worker only."""
 
     EVENT_BATCH = 256
 
-    def __init__(self, config: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: Mapping[str, str] | None = None, *, parent: Worker | None = None) -> None:
         mod = load()
         self.ffi = ffi = mod.ffi
         self.lib = lib = mod.lib
-        items = [(k.encode(), str(v).encode()) for k, v in (config or {}).items()]
-        keep = [ffi.new("char[]", s) for kv in items for s in kv]
-        keys = ffi.new("const char *[]", [keep[2 * i] for i in range(len(items))] or [ffi.NULL])
-        vals = ffi.new("const char *[]", [keep[2 * i + 1] for i in range(len(items))] or [ffi.NULL])
         out = ffi.new("kvf_worker **")
-        st = lib.kvf_worker_create(keys, vals, len(items), out)
-        if st != UCS_OK:
-            bad = ", ".join(f"UCX_{k.decode()}={v.decode()}" for k, v in items)
-            raise ucx_error(st, f"ucp_init/ucp_worker_create{' (' + bad + ')' if bad else ''}")
+        if parent is not None:
+            _check(lib.kvf_worker_sibling(parent._h, out), "ucp_worker_create")
+        else:
+            items = [(k.encode(), str(v).encode()) for k, v in (config or {}).items()]
+            keep = [ffi.new("char[]", s) for kv in items for s in kv]
+            keys = ffi.new("const char *[]", [keep[2 * i] for i in range(len(items))] or [ffi.NULL])
+            vals = ffi.new("const char *[]", [keep[2 * i + 1] for i in range(len(items))] or [ffi.NULL])
+            st = lib.kvf_worker_create(keys, vals, len(items), out)
+            if st != UCS_OK:
+                bad = ", ".join(f"UCX_{k.decode()}={v.decode()}" for k, v in items)
+                raise ucx_error(st, f"ucp_init/ucp_worker_create{' (' + bad + ')' if bad else ''}")
         self._w = out[0]
+        self._siblings: list[Worker] = []
+        if parent is not None:
+            parent._siblings.append(self)
         self.efd: int = lib.kvf_worker_efd(self._w)
         buf = ffi.new("void **")
         n = ffi.new("size_t *")
@@ -442,8 +449,17 @@ class Worker:
                 out.append(line.rsplit(None, 1)[-1])
         return out
 
+    def sibling(self) -> Worker:
+        """Another worker on this worker's UCP context: memory maps and packed rkeys serve both.
+        :meth:`destroy` destroys it first."""
+        return Worker(parent=self)
+
     def destroy(self) -> None:
-        """Destroy the worker and its context (endpoints must be closed first)."""
+        """Destroy the worker, and its context unless it is a sibling (endpoints must be closed
+        first; siblings go first)."""
+        for sib in self._siblings:
+            sib.destroy()
+        self._siblings.clear()
         if self._w is not None:
             self.lib.kvf_worker_destroy(self._w)
             self._w = None

@@ -1,13 +1,18 @@
 """UcxTransport and UcxEndpoint: one-sided RMA through UCP, driven from the asyncio loop.
 
-One UCP context and worker per transport (that is, per ``LlmDataDist``). ``register`` maps
-each tensor with ``ucp_mem_map`` and hands peers its packed rkey; ``connect`` creates an
-endpoint from the peer's worker address with peer error handling; ``read``/``write`` issue a
-``ucp_get_nbx``/``ucp_put_nbx`` per run from C, in chunks that each end (for puts) with one
-``ucp_ep_flush_nbx``, a bounded number of bytes in flight per worker, and await one completion
-per batch.
+One UCP context per transport (that is, per ``LlmDataDist``) with two workers: ours, which
+opens our endpoints and issues our operations, and the target, whose address peers connect to.
+``register`` maps each tensor with ``ucp_mem_map`` and hands peers its packed rkey; ``connect``
+creates an endpoint from the peer's target address with peer error handling; ``read``/``write``
+issue a ``ucp_get_nbx``/``ucp_put_nbx`` per run from C, in chunks that each end (for puts) with
+one ``ucp_ep_flush_nbx``, a bounded number of bytes in flight per worker, and await one
+completion per batch.
 
-Progress is event driven: the worker's event fd sits in the loop (``add_reader``); when it is
+A cancelled transfer (its deadline passed) stops issuing and waits for what it issued; if that
+takes more than ``CANCEL_SETTLE_S``, it replaces the link's UCP endpoint (``UcxEndpoint._reset``):
+the old one is force-closed, which completes its requests as cancelled, and the link stays up.
+
+Progress is event driven: each worker's event fd sits in the loop (``add_reader``); when it is
 readable, or after work is issued, the loop progresses the worker for at most half a
 millisecond, dispatches completions, and re-arms. ``UCS_ERR_BUSY`` from the arm means there is
 more to do, so it progresses again on the next loop iteration; otherwise it sleeps until the
@@ -47,9 +52,15 @@ LIMITS_FAST = (64 << 20, 16 << 20, 8 << 20)
 #: this long after the last work before it re-arms and sleeps: waking through the fd costs more
 #: than a short spin when the next completion is microseconds away. Idle, nothing spins.
 SPIN_US = 50
-#: How long a cancelled transfer may take to finish its issued operations before the
-#: endpoint is force-closed so that no further byte can land.
-CANCEL_GRACE_S = 2.0
+#: How long a cancelled transfer waits for its issued operations to complete before it resets
+#: the endpoint. UCX cannot retract a get or put it has started (``ucp_request_cancel`` cancels
+#: only tag receives), so the alternative to waiting is force-closing the UCP endpoint: that
+#: completes every request on it as cancelled, and nothing lands through it afterwards. Where UCX
+#: moves the bytes itself (CMA, RDMA) the issued window drains in milliseconds whatever the peer
+#: does; where it emulates RMA with messages (TCP) a stalled peer holds them until it resumes.
+CANCEL_SETTLE_S = 0.05
+#: After a reset, how long the cancelled transfer waits for UCX to complete its purged requests.
+RESET_PURGE_S = 1.0
 #: While operations are in flight and the worker sleeps on its fd, wake up this often anyway
 #: (a safety net: UCX signals completions through the fd; ``rescues`` counts the times it did not).
 WATCHDOG_S = 0.05
@@ -132,6 +143,12 @@ def _ucx_config(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, s
         cfg[var] = str(value)
         defaults.discard(var)
     return cfg, own, defaults
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Done callback: mark a future's exception as retrieved (nobody awaits it)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _host_id() -> str:
@@ -254,7 +271,7 @@ class _Progress:
             elif kind == ll.EV_EP_ERROR:
                 ep = self.ep_handlers.get(ev_id)
                 if ep is not None:
-                    ep._on_error(status)
+                    ep._on_error(ev_id, status)
         if not self.ops and self.idle_hooks:
             hooks, self.idle_hooks = self.idle_hooks, []
             for hook in hooks:
@@ -287,9 +304,9 @@ class _Progress:
 
 @dataclass
 class _RemoteKeys:
-    """A peer cache's unpacked rkeys on one endpoint, and its regions' bounds."""
+    """A peer cache's unpacked rkeys on one UCP endpoint (generation ``gen``), and its regions' bounds."""
 
-    ep: UcxEndpoint
+    gen: int
     rkeys: list[Any]
     table: Any
     bounds: np.ndarray
@@ -304,12 +321,25 @@ class _Mapped:
     bounds: np.ndarray
 
 
-class UcxEndpoint(Endpoint):
-    """One link's UCX endpoint."""
+class _Replaced(Exception):
+    """The UCP endpoint was reset while a transfer used it (internal: the transfer issues again)."""
 
-    def __init__(self, transport: UcxTransport, ep: ll.Endpoint, channel: LinkChannel) -> None:
+
+class UcxEndpoint(Endpoint):
+    """One link's UCX endpoint.
+
+    The UCP endpoint under it can be replaced (:meth:`_reset`) without the link going down, when a
+    cancelled transfer's operations do not complete within ``CANCEL_SETTLE_S``. A UCX error on the
+    endpoint (the peer died, the connection broke) still breaks the link. ``_gen`` counts the
+    replacements (``resets`` too); rkeys are unpacked per UCP endpoint, so per generation."""
+
+    def __init__(self, transport: UcxTransport, ep: ll.Endpoint, channel: LinkChannel,
+                 address: bytes) -> None:
         self._t = transport
         self._ep = ep
+        self._address = address  # the peer's target worker address, to replace the UCP endpoint
+        self._gen = 0
+        self.resets = 0
         self._channel = channel
         self._progress = transport._progress
         self._dead: BaseException | None = None
@@ -323,7 +353,8 @@ class UcxEndpoint(Endpoint):
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "closed" if self._closing else "open"
-        return f"<UcxEndpoint cluster={self._channel.peer_cluster_id} {state} inflight={len(self._inflight)}>"
+        return (f"<UcxEndpoint cluster={self._channel.peer_cluster_id} {state} "
+                f"inflight={len(self._inflight)} resets={self.resets}>")
 
     def info(self) -> str:
         """UCX's description of the endpoint's lanes (which transports and devices it uses)."""
@@ -332,7 +363,7 @@ class UcxEndpoint(Endpoint):
     # ---------------------------------------------------------------- remote keys
     def _remote(self, remote: RemoteCache) -> _RemoteKeys:
         keys = remote.cache.get(self._key)
-        if keys is not None:
+        if keys is not None and keys.gen == self._gen:
             return keys
         rkeys: list[Any] = []
         try:
@@ -346,7 +377,7 @@ class UcxEndpoint(Endpoint):
                 ll.Endpoint.rkey_destroy(k)
             raise
         rb = ll.bounds([r.addr for r in remote.regions], [r.nbytes for r in remote.regions])
-        keys = _RemoteKeys(self, rkeys, self._t._worker.rkey_table(rkeys), rb)
+        keys = _RemoteKeys(self._gen, rkeys, self._t._worker.rkey_table(rkeys), rb)
         remote.cache[self._key] = keys
         self._keys.append(keys)
         weakref.finalize(remote, self._drop_keys, keys)
@@ -422,24 +453,42 @@ class UcxEndpoint(Endpoint):
                      else f"cache {batch.local_cache.cache_id}")
             raise LLMParamInvalid(f"run {i} ({int(lengths[i])} bytes) lies outside {where}")
 
-        window, chunk, piece = self._limits()
+        piece = self._limits()[2]
         if int(lengths.max()) > piece:
             laddr, raddr, lengths, lidx, ridx = _split(laddr, raddr, lengths, lidx, ridx, piece)
-            n = lengths.size
+        while True:
+            try:
+                await self._issue(put, laddr, raddr, lengths, lidx, ridx, mapped, keys)
+                return
+            except _Replaced:
+                # Another transfer's cancel reset the UCP endpoint under this one: every request
+                # this one had issued has completed, so issue the whole batch again on the new
+                # endpoint (a get or put of the same runs lands the same bytes). Each reset needs a
+                # transfer that passed its deadline, and this one's own deadline bounds the loop.
+                self._check_usable()
+                keys = self._remote(batch.remote_cache)
+
+    async def _issue(self, put: bool, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
+                     lidx: np.ndarray, ridx: np.ndarray, mapped: _Mapped, keys: _RemoteKeys) -> None:
+        """Issue the runs on the current UCP endpoint, a window at a time, and await their completion.
+        Raises :class:`_Replaced` when the endpoint was reset before they all completed."""
+        ep = self._ep
+        n = lengths.size
+        window, chunk, _ = self._limits()
         worker = self._t._worker
         op = worker.new_op()
         what = "ucp_put_nbx" if put else "ucp_get_nbx"
-        fut = self._progress.track(op, what)
+        progress = self._progress
+        fut = progress.track(op, what)
         self._inflight.add(fut)
         cancelled: asyncio.CancelledError | None = None
-        progress = self._progress
         try:
             i = 0
             while i < n:
                 room = min(window - worker.inflight(), chunk)
                 if room > 0:
-                    i += self._ep.rma(op, put, laddr[i:], raddr[i:], lengths[i:], lidx[i:], mapped.table,
-                                      ridx[i:], keys.table, room)
+                    i += ep.rma(op, put, laddr[i:], raddr[i:], lengths[i:], lidx[i:], mapped.table,
+                                ridx[i:], keys.table, room)
                     if op.status() != ll.UCS_OK or i >= n:
                         break
                 progress.kick()
@@ -451,47 +500,99 @@ class UcxEndpoint(Endpoint):
                 except asyncio.CancelledError as exc:  # stop issuing; what was issued still completes
                     cancelled = exc
                     break
-                if self._dead is not None or self._closing is not None:
+                if self._ep is not ep or self._dead is not None or self._closing is not None:
                     break
-            self._progress.finish(op, fut, what)
+            progress.finish(op, fut, what)
             if cancelled is not None:
-                await self._settle(fut)
+                await self._settle(fut, ep)
                 raise cancelled
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:
-                await self._settle(fut)
+                await self._settle(fut, ep)
+                raise
+            except LLMException:
+                if self._replaced(ep):
+                    raise _Replaced from None
                 raise
         finally:
             self._inflight.discard(fut)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved: a cancelled caller does not see it
-        if i < n:  # stopped issuing because the endpoint broke or closed under us
+        if i < n:  # stopped issuing: the endpoint was reset, broke or closed under us
+            if self._replaced(ep):
+                raise _Replaced
             raise LLMLinkFailed(f"ucx endpoint {'broke' if self._dead else 'closed'} during the transfer"
                                 + (f": {self._dead}" if self._dead else ""))
 
-    async def _settle(self, fut: asyncio.Future[None]) -> None:
-        """After a cancel: wait (bounded) until the issued operations complete, else force-close."""
-        deadline = self._progress.loop.time() + CANCEL_GRACE_S
+    def _replaced(self, ep: ll.Endpoint) -> bool:
+        """Whether ``ep`` was reset (replaced) while the endpoint as a whole is still usable."""
+        return self._ep is not ep and self._dead is None and self._closing is None
+
+    async def _settle(self, fut: asyncio.Future[None], ep: ll.Endpoint) -> None:
+        """After a cancel: return only once no issued operation can still land a byte. Wait a
+        little for them; if some are still outstanding, reset the endpoint (UCX then completes them
+        as cancelled) rather than wait for a peer that may be stalled."""
+        await self._wait_done(fut, CANCEL_SETTLE_S)
+        if fut.done():
+            return
+        if self._ep is ep and self._dead is None and self._closing is None:
+            self._reset(f"a cancelled transfer's operations were outstanding after "
+                        f"{CANCEL_SETTLE_S * 1000:.0f} ms")
+        await self._wait_done(fut, RESET_PURGE_S)
+        if not fut.done():  # the UCP endpoint is force-closed: UCX delivers nothing more through it
+            log.warning("ucx: a cancelled transfer's requests did not complete within %.1f s of the "
+                        "endpoint's reset", RESET_PURGE_S)
+
+    @staticmethod
+    async def _wait_done(fut: asyncio.Future[None], timeout: float) -> None:
+        """Wait up to ``timeout`` s for ``fut``; a further cancel does not cut the wait short
+        (returning early could let bytes land after the caller raised)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while not fut.done():
-            left = deadline - self._progress.loop.time()
+            left = deadline - loop.time()
             if left <= 0:
-                break
+                return
             try:
                 await asyncio.wait([fut], timeout=left)
             except asyncio.CancelledError:
-                continue  # keep waiting: returning now could let bytes land after the caller raised
-        if not fut.done():
-            exc = LLMLinkFailed(f"ucx: a cancelled transfer did not finish within {CANCEL_GRACE_S} s; "
-                                "endpoint closed")
+                continue
+
+    def _reset(self, reason: str) -> None:
+        """Replace the UCP endpoint by a new one to the same peer worker; the link stays up.
+
+        The old one is force-closed: UCX completes every request still on it (as cancelled) and
+        nothing lands through it afterwards. Transfers that were using it issue again on the new one
+        (:class:`_Replaced`). rkeys were unpacked on the old endpoint: they are unpacked again."""
+        old = self._ep
+        worker = self._t._worker
+        try:
+            new = worker.connect(self._address)
+        except LLMException as exc:  # cannot even create an endpoint: the link's data path is gone
+            self._fail(exc)
             self._channel.broken(exc)
-            self.abort(exc)
+            return
+        self._ep = new
+        self._gen += 1
+        self.resets += 1
+        self._progress.ep_handlers.pop(old.id, None)
+        self._progress.ep_handlers[new.id] = self
+        op = worker.new_op()
+        closing = self._progress.track(op, "ucp_ep_close_nbx")
+        closing.add_done_callback(_retrieve)
+        old.close(op, True)
+        self._progress.finish(op, closing, "ucp_ep_close_nbx")
+        self._release_keys()
+        log.info("ucx endpoint to cluster %d reset (%s); the link stays up", self._channel.peer_cluster_id,
+                 reason)
+        self._progress.kick()
 
     # ---------------------------------------------------------------- failure and close
-    def _on_error(self, status: int) -> None:
+    def _on_error(self, ep_id: int, status: int) -> None:
         """UCX reported the endpoint failed (peer died, connection reset...)."""
-        if self._dead is not None or self._closing is not None:
-            return
+        if self._dead is not None or self._closing is not None or ep_id != self._ep.id:
+            return  # gone already, or an endpoint that a reset replaced
         exc = ll.ucx_error(status, "ucx endpoint")
         log.info("ucx endpoint to cluster %d failed: %s", self._channel.peer_cluster_id, exc)
         self._fail(exc)
@@ -578,9 +679,15 @@ class UcxTransport(Transport):
                         ", ".join(sorted(defaults)), exc)
             self.config = {k: v for k, v in self.config.items() if k not in defaults}
             self._worker = ll.Worker(self.config)
+        # Peers connect to a second worker on the same context (the target: it serves their
+        # emulated RMA and wire-up), ours connect from this one. Two workers keep UCX from pairing
+        # our endpoint to a peer with the peer's endpoint to us (it pairs endpoints that two workers
+        # create to each other), so that resetting ours (UcxEndpoint._reset) leaves theirs intact.
+        self._target = self._worker.sibling()
         self.rdma = sorted(t for t in self._worker.transports() if t.startswith(RDMA_TLS))
         self._host = _host_id()
         self._progress: _Progress | None = None
+        self._target_progress: _Progress | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mapped: dict[int, _Mapped] = {}
         self._endpoints: set[UcxEndpoint] = set()
@@ -602,6 +709,7 @@ class UcxTransport(Transport):
         if self._progress is None:
             self._loop = loop
             self._progress = _Progress(self._worker, loop)
+            self._target_progress = _Progress(self._target, loop)
         elif self._loop is not loop:
             raise LLMParamInvalid("a ucx transport is bound to the event loop it was started on")
         return self._progress
@@ -611,11 +719,11 @@ class UcxTransport(Transport):
                 f"endpoints={len(self._endpoints)}>")
 
     def info(self) -> str:
-        """UCX's description of the worker (``ucp_worker_print_info``)."""
-        return self._worker.info()
+        """UCX's description of the workers (``ucp_worker_print_info``): ours, then the target's."""
+        return self._worker.info() + self._target.info()
 
     def describe(self) -> dict[str, Any]:
-        return {"address": self._worker.address, "version": ll.versions()["library"], "host": self._host,
+        return {"address": self._target.address, "version": ll.versions()["library"], "host": self._host,
                 "rdma": self.rdma}
 
     def check_peer(self, info: Mapping[str, Any]) -> str | None:
@@ -663,7 +771,8 @@ class UcxTransport(Transport):
         reason = self.check_peer(info)
         if reason:
             raise LLMLinkFailed(f"ucx: {reason}")
-        ep = UcxEndpoint(self, self._worker.connect(bytes(info["address"])), channel)
+        address = bytes(info["address"])
+        ep = UcxEndpoint(self, self._worker.connect(address), channel, address)
         self._endpoints.add(ep)
         progress.kick()
         return ep
@@ -679,10 +788,12 @@ class UcxTransport(Transport):
                 await asyncio.wait(list(progress.ops.values()), timeout=1.0)
             progress.drive(None, 0.2)
             progress.close()
+        if self._target_progress is not None:
+            self._target_progress.close()
         for ep in self._endpoints:
             ep._destroy_keys()
         self._endpoints.clear()
         for cache_id in list(self._mapped):
             for m in self._mapped.pop(cache_id).maps:
                 self._worker.mem_unmap(m)
-        self._worker.destroy()
+        self._worker.destroy()  # the target worker first
