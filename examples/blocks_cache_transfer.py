@@ -1,9 +1,9 @@
-"""The seed's blocks cache transmission scenario, as two processes.
+"""The blocks cache transmission scenario of LLM-DataDist's KV cache management guide, as two processes.
 
 Both sides register a paged KV cache (``shape[0]`` = number of blocks). The prefill side has
 computed a request into blocks [0, 1, 2, 3]; decode pulls them into its blocks [3, 2, 1, 0] with
 ``pull_kv_blocks``. Then prefill pushes one layer of blocks with ``push_kv_blocks``. Errors are
-handled as in the seed. Run: ``python examples/blocks_cache_transfer.py``.
+handled as in the guide's example. Run: ``python examples/blocks_cache_transfer.py``.
 """
 
 from __future__ import annotations

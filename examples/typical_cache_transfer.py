@@ -1,9 +1,10 @@
-"""The seed's typical cache transmission scenario, as two processes.
+"""The typical cache transmission scenario of LLM-DataDist's KV cache management guide, as two processes.
 
 Prefill (cluster 1) registers a cache and listens; decode (cluster 2) registers its own, links,
 pulls a whole batch slot with ``pull_kv_cache``; then prefill pushes layer 0 into decode with
-``push_kv_cache`` (the transfer the seed overlaps with computing the next layer). Both sides
-handle errors as the seed does: on failure, unregister and finalize. Run: ``python examples/typical_cache_transfer.py``.
+``push_kv_cache`` (the transfer that the guide overlaps with computing the next layer). Both sides
+handle errors as the guide's example does: on failure, unregister and finalize.
+Run: ``python examples/typical_cache_transfer.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ DESC = CacheDesc(num_tensors=NUM_TENSORS, data_type=DataType.DT_INT32, shape=[8,
 
 
 async def on_error(dd: LlmDataDist, cache_id: int) -> None:
-    """The seed's OnError: unregister what was registered, then finalize."""
+    """The guide's OnError: unregister what was registered, then finalize."""
     if cache_id > 0:
         await dd.unregister_kv_cache(cache_id)
     await dd.finalize()

@@ -1,4 +1,4 @@
-"""Parsing ``initialize`` options: the seed's ``llm.*`` keys and kvflow's own ``kvflow.*`` keys."""
+"""Parsing ``initialize`` options: LLM-DataDist's ``llm.*`` keys and kvflow's own ``kvflow.*`` keys."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ class PairConfig:
     """How ``kvflow_pair`` is built; override the ``kvflow_pair_config`` fixture or use the
     ``kvflow_pair(...)`` marker (its keyword arguments replace these fields)."""
 
-    #: Layout of both caches (the seed's example: 4 tensors of 8 x 16 int32).
+    #: Layout of both caches (the example in LLM-DataDist's KV cache management guide: 4 tensors of 8 x 16 int32).
     desc: CacheDesc = field(default_factory=lambda: CacheDesc(4, DataType.DT_INT32, [8, 16]))
     #: ``kvflow.Transports`` for both sides (``None``: kvflow's default preference).
     transport: str | None = None
