@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import _handshake as handshake
+from . import _keys as keys
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
@@ -200,11 +201,13 @@ class LlmDataDist:
 
     # ------------------------------------------------------------------ caches
     async def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
-                                cfg: Any = None) -> Cache:
-        """Register ``num_tensors`` tensors (int addresses, buffers or ``data_ptr()`` objects)."""
+                                cfg: Any = None, *, key: int | None = None) -> Cache:
+        """Register ``num_tensors`` tensors (int addresses, buffers or ``data_ptr()`` objects);
+        ``key`` (an int no other registered cache has) lets peers find it by ``resolve_cache_key``."""
         self._ready()
         if not isinstance(cache_desc, CacheDesc):
             raise LLMParamInvalid(f"cache_desc must be a CacheDesc, got {type(cache_desc).__name__}")
+        key = keys.reserve(self._registry, key)
         local = self._registry.add(cache_desc, addrs)
         try:
             for name, t in self._transports.items():
@@ -218,7 +221,14 @@ class LlmDataDist:
         except BaseException:
             self._drop_cache(local)
             raise
+        keys.bind(self._registry, local.cache_id, key)
         return local.cache
+
+    async def resolve_cache_key(self, cluster_id: int, key: int, *, timeout_in_millis: int | None = None) -> int:
+        """The id of the cache that cluster ``cluster_id`` registered with ``key`` (asked over the link,
+        reused while that cache stays registered there): LLMKvCacheNotExist if none, LLMNotYetLink."""
+        self._ready()
+        return await keys.resolve(self._link(cluster_id), keys.check_key(key), self._deadline(timeout_in_millis))
 
     async def unregister_kv_cache(self, cache_id: int, *, timeout_in_millis: int | None = None) -> None:
         """Unregister a cache once no peer can touch its memory any more. Unknown ids succeed.
@@ -629,6 +639,8 @@ class LlmDataDist:
     async def _handle(self, link: Link, msg: dict[str, Any]) -> dict[str, Any]:
         """Answer one request a peer sent over a link."""
         op = msg.get("op")
+        if op == "cache" and "key" in msg:
+            return keys.answer(self._registry, msg)
         if op == "cache":
             cache_id = wire.field(msg, "cache_id", int)
             local = self._registry._caches.get(cache_id)

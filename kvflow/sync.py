@@ -384,14 +384,26 @@ class LlmDataDist:
         return self._call("link_info", self._dd.link_info, cluster_id)
 
     # ------------------------------------------------------------------ caches
-    def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: Any = None) -> Cache:
+    def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: Any = None, *,
+                          key: int | None = None) -> Cache:
         """Blocking :meth:`kvflow.LlmDataDist.register_kv_cache`."""
-        return self._call("register_kv_cache", self._dd.register_kv_cache, cache_desc, addrs, cfg)
+        return self._call("register_kv_cache", self._dd.register_kv_cache, cache_desc, addrs, cfg, key=key)
 
-    def submit_register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
-                                 cfg: Any = None) -> concurrent.futures.Future[Cache]:
+    def submit_register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: Any = None, *,
+                                 key: int | None = None) -> concurrent.futures.Future[Cache]:
         """:meth:`register_kv_cache` without blocking."""
-        return self._submit("register_kv_cache", self._dd.register_kv_cache, cache_desc, addrs, cfg)
+        return self._submit("register_kv_cache", self._dd.register_kv_cache, cache_desc, addrs, cfg, key=key)
+
+    def resolve_cache_key(self, cluster_id: int, key: int, *, timeout_in_millis: int | None = None) -> int:
+        """Blocking :meth:`kvflow.LlmDataDist.resolve_cache_key`."""
+        return self._call("resolve_cache_key", self._dd.resolve_cache_key, cluster_id, key,
+                          timeout_in_millis=timeout_in_millis)
+
+    def submit_resolve_cache_key(self, cluster_id: int, key: int, *,
+                                 timeout_in_millis: int | None = None) -> concurrent.futures.Future[int]:
+        """:meth:`resolve_cache_key` without blocking."""
+        return self._submit("resolve_cache_key", self._dd.resolve_cache_key, cluster_id, key,
+                            timeout_in_millis=timeout_in_millis)
 
     def unregister_kv_cache(self, cache_id: int, *, timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.unregister_kv_cache`."""
