@@ -15,6 +15,7 @@ still holds the peer's description of that cache (a peer's unregister or a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
@@ -72,7 +73,7 @@ def lookup(registry: Registry, key: int) -> int:
     return local.cache_id
 
 
-def answer(registry: Registry, msg: dict[str, Any]) -> dict[str, Any]:
+def answer(registry: Registry, msg: Mapping[str, Any]) -> dict[str, Any]:
     """The reply to a peer's ``{"op": "cache", "key": k}``."""
     key = wire.field(msg, "key", int)
     if not 0 <= key <= MAX_KEY:
