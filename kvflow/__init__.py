@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._datadist import LinkInfo, LlmDataDist
+from ._discovery import available_transports
 from ._layerwise import CacheTask, LayerEvents, LayerSynchronizer, TransferConfig
 from ._run import run
 from ._status import (
@@ -36,7 +37,6 @@ from ._types import (
     LlmRole,
     Placement,
 )
-from .transport import available_transports
 
 __version__ = "0.1.0"
 

@@ -126,7 +126,7 @@ async def _serve(conn: Connection) -> None:
     buf = np.zeros(total, dtype=np.uint8)
     buf[:: 4096] = np.arange(buf[:: 4096].size, dtype=np.uint64).astype(np.uint8)
     lsock = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(lsock, memoryview(buf)), daemon=True).start()
+    threading.Thread(target=_raw_server, args=(lsock, buf.data), daemon=True).start()
     servers = {}
     for t in transports:
         dd = LlmDataDist(1, LlmRole.PROMPT)
@@ -193,7 +193,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
         buf = np.zeros(total, dtype=np.uint8)
         raw = socket.create_connection(("127.0.0.1", meta["raw_port"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        rawbuf = memoryview(buf)
+        rawbuf = buf.data
         baselines = {"tcp": ("raw socket", _RawSocket(raw, rawbuf, repeat))}
         for info in infos:
             t = info["transport"]
@@ -306,11 +306,9 @@ async def _awaited_latency(sock: socket.socket, buf: memoryview, iters: int) -> 
 def _plugin_baseline(name: str, pid: int, remote_addr: int, buf: np.ndarray, repeat: int) -> tuple[str, Any]:
     """A transport plugin's own raw baseline: ``<module>.bench.baseline(pid, buf, repeat, remote_addr=)``,
     an object with ``throughput(nbytes, block, op)`` (GiB/s) and ``latency(iters)`` (seconds per call)."""
-    from importlib import import_module
+    from ._discovery import load_bench
 
-    from .transport import load_transport
-
-    mod = import_module(load_transport(name).__module__.split(".")[0] + ".bench")
+    mod = load_bench(name)
     return mod.BASELINE_NAME, mod.baseline(pid, buf, repeat, remote_addr=remote_addr)
 
 

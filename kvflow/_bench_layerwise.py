@@ -143,8 +143,8 @@ async def _one_transport(transport: str, info: dict[str, Any], layers: int, bloc
                 exposed.append(max(task.layer_sent_at.values()) - last_ready)
                 computed.append(last_ready - t0)
                 await asyncio.sleep(0.01)
-            ms = [float(np.median(v)) * 1e3 for v in (computed, serial, overlapped, exposed)]
-            row = Row(transport, layers, 2 * desc.tensor_bytes / (1 << 20), c_ms, t_layer * 1e3, *ms,
+            m0, m1, m2, m3 = (float(np.median(v)) * 1e3 for v in (computed, serial, overlapped, exposed))
+            row = Row(transport, layers, 2 * desc.tensor_bytes / (1 << 20), c_ms, t_layer * 1e3, m0, m1, m2, m3,
                       float(np.max(exposed)) * 1e3, (1.5 * t_layer + 0.002) * 1e3)
             rows.append(row)
             if progress:
@@ -174,8 +174,8 @@ def cli(args: argparse.Namespace, console: Any) -> int:
     """The ``kvflow bench-layerwise`` command."""
     from rich.table import Table
 
+    from ._discovery import available_transports
     from ._run import run
-    from .transport import available_transports
 
     avail = available_transports()
     names = args.transport.split(",") if args.transport else [n for n in ("shm", "tcp") if avail.get(n) == "ok"]

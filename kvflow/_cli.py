@@ -146,7 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from ._bench import format_rows, main_bench, write_json
-    from .transport import available_transports
+    from ._discovery import available_transports
 
     avail = available_transports()
     names = args.transport.split(",") if args.transport else [n for n, s in avail.items() if s == "ok"]
@@ -191,7 +191,7 @@ def _bench_sync(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from . import __version__
-    from .transport import available_transports
+    from ._discovery import available_transports
 
     info: dict[str, Any] = {"kvflow": __version__, "python": sys.version.split()[0]}
     try:

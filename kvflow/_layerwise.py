@@ -10,31 +10,26 @@ task has one deadline. Decisions (status codes, cancellation) are written down i
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import inspect
-import operator
-import queue
-import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, cast
 
 import numpy as np
 
-from ._plan import Plan, layer_tensors
+from ._checks import MAX_TIMEOUT_MS, blocks_precheck, cache_precheck, check_index, check_int
+from ._plan import Plan, block_list, layer_tensors, plan_blocks, plan_cache
 from ._status import LLMException, LLMFailed, LLMParamInvalid, LLMStatusCode, LLMTimeoutError
-from ._types import CacheIndex, KvCacheExtParam, LayerRange
+from ._synchronizer import LayerEvents, LayerSynchronizer, _Worker
+from ._types import CacheDesc, CacheIndex, KvCacheExtParam, LayerRange
 
 if TYPE_CHECKING:
-    from ._datadist import LlmDataDist
+    from ._engine import TransferEngine
     from ._memory import LocalCache
     from .transport import RemoteCache
 
 __all__ = ["CacheTask", "LayerEvents", "LayerSynchronizer", "TransferConfig"]
-
-_RUNNING: set[CacheTask] = set()  # strong references while a task runs (the loop keeps only weak ones)
-
 
 @dataclass(frozen=True)
 class TransferConfig:
@@ -49,171 +44,6 @@ class TransferConfig:
     src_layer_range: LayerRange = (-1, -1)
     dst_layer_range: LayerRange = (-1, -1)
     src_batch_index: int = 0
-
-
-class LayerSynchronizer(abc.ABC):
-    """Says when a source layer's KV is ready to be sent.
-
-    ``synchronize_layer`` returns True once layer ``layer_index`` is ready and False if it never
-    will be; raising also ends the task. It may be a coroutine function (awaited on the event loop)
-    or a plain blocking function (run in a thread of its own, so that it does not block the loop).
-    ``timeout_in_millis`` is the time left before the task's deadline: a blocking implementation
-    should give up by then, since a thread cannot be interrupted."""
-
-    @abc.abstractmethod
-    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool | Awaitable[bool]:
-        """True when layer ``layer_index`` is ready, False when it never will be."""
-
-
-class LayerEvents(LayerSynchronizer):
-    """A ready-made synchronizer: the compute side (any thread) calls ``mark_ready(layer)`` as each
-    layer finishes, or ``fail(exc)`` when the rest never will.
-
-    ``ready_at[layer]`` is the ``time.perf_counter()`` at which the layer was marked ready."""
-
-    def __init__(self, num_layers: int) -> None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise LLMParamInvalid(f"num_layers must be a positive int, got {num_layers!r}")
-        self.num_layers = num_layers
-        self.ready_at: list[float | None] = [None] * num_layers
-        self._lock = threading.Lock()
-        self._failed = False
-        self._failure: BaseException | None = None
-        self._waiters: dict[int, list[asyncio.Future[bool]]] = {}
-
-    def __repr__(self) -> str:
-        ready = sum(t is not None for t in self.ready_at)
-        return f"<LayerEvents {ready}/{self.num_layers} ready{' failed' if self._failed else ''}>"
-
-    def _check(self, layer: Any) -> int:
-        try:
-            i = operator.index(layer)
-        except TypeError:
-            raise LLMParamInvalid(f"layer must be an int, got {layer!r}") from None
-        if isinstance(layer, bool) or not 0 <= i < self.num_layers:
-            raise LLMParamInvalid(f"layer {layer!r} is outside 0..{self.num_layers - 1}")
-        return i
-
-    def mark_ready(self, layer: int) -> None:
-        """Layer ``layer`` is computed (thread-safe; marking a layer twice is harmless)."""
-        now = time.perf_counter()
-        with self._lock:
-            i = self._check(layer)
-            if self.ready_at[i] is not None:
-                return
-            self.ready_at[i] = now
-            waiters = self._waiters.pop(i, [])
-        for fut in waiters:
-            _resolve(fut, True, None)
-
-    def fail(self, exc: BaseException | None = None) -> None:
-        """Layers not yet marked ready never will be: waiting for one raises ``exc``, or returns False
-        without one (thread-safe; only the first call counts)."""
-        with self._lock:
-            if self._failed:
-                return
-            self._failed = True
-            self._failure = exc
-            waiters = [f for fs in self._waiters.values() for f in fs]
-            self._waiters.clear()
-        for fut in waiters:
-            _resolve(fut, False, exc)
-
-    def is_ready(self, layer: int) -> bool:
-        """Whether ``layer`` has been marked ready."""
-        return self.ready_at[self._check(layer)] is not None
-
-    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None = None) -> bool:
-        """Wait until ``layer_index`` is marked ready (True) or ``fail`` is called; LLMTimeoutError when
-        ``timeout_in_millis`` passes first."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            i = self._check(layer_index)
-            if self.ready_at[i] is not None:
-                return True
-            if self._failed:
-                if self._failure is not None:
-                    raise self._failure
-                return False
-            fut: asyncio.Future[bool] = loop.create_future()
-            self._waiters.setdefault(i, []).append(fut)
-        try:
-            timeout = None if timeout_in_millis is None else max(0.0, timeout_in_millis / 1000)
-            done, _ = await asyncio.wait({fut}, timeout=timeout)
-            if not done:
-                raise LLMTimeoutError(f"layer {i} was not marked ready within {timeout_in_millis} ms")
-            return fut.result()
-        finally:
-            with self._lock:
-                waiting = self._waiters.get(i)
-                if waiting is not None and fut in waiting:
-                    waiting.remove(fut)
-            if not fut.done():
-                fut.cancel()
-
-
-def _resolve(fut: asyncio.Future[bool], ok: bool, exc: BaseException | None) -> None:
-    try:
-        fut.get_loop().call_soon_threadsafe(_settle, fut, ok, exc)
-    except RuntimeError:  # that loop is closed: nobody waits any more
-        pass
-
-
-def _settle(fut: asyncio.Future[bool], ok: bool, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(ok)
-
-
-class _Worker:
-    """One daemon thread that runs a blocking synchronizer's calls, one after another. A daemon,
-    so that a synchronizer that never returns cannot hold up the interpreter's exit."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        threading.Thread(target=self._main, name="kvflow-layer-sync", daemon=True).start()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._q.put((loop, fut, fn, args))
-        return fut
-
-    def close(self) -> None:
-        self._q.put(None)
-
-    def _main(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            loop, fut, fn, args = item
-            try:
-                result, exc = fn(*args), None
-            except BaseException as e:  # handed to the event loop, which decides
-                result, exc = None, e
-            try:
-                loop.call_soon_threadsafe(_deliver, fut, result, exc)
-            except RuntimeError:  # the loop is closed
-                pass
-
-
-def _deliver(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if fut.done():  # the task stopped waiting
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
-def abort_tasks(dd: LlmDataDist, reason: str) -> None:
-    """Stop every running task of ``dd`` (at finalize), as ``cancel()`` does."""
-    for task in list(_RUNNING):
-        if task._dd is dd:
-            task._halt(LLMFailed(f"transfer_cache_async stopped: {reason}"))
 
 
 # ---------------------------------------------------------------------- the task
@@ -250,10 +80,10 @@ class CacheTask:
     ``layer_ready_at``, ``layer_sent_at``, ``started_at``, ``finished_at``, ``exposed_seconds``.
     Cancelling a coroutine that awaits the task does not cancel the task."""
 
-    def __init__(self, dd: LlmDataDist, local: LocalCache, synchronizer: Any, dests: list[_Dest],
+    def __init__(self, engine: TransferEngine, local: LocalCache, synchronizer: LayerSynchronizer, dests: list[_Dest],
                  per_layer: int, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
-        self._dd = dd
+        self._engine = engine
         self._local = local
         self._sync = synchronizer
         self._sync_async = inspect.iscoroutinefunction(synchronizer.synchronize_layer)
@@ -284,7 +114,7 @@ class CacheTask:
         self._sync_over = False
         self._waiting: asyncio.Future[Any] | None = None
         self._done = asyncio.Event()
-        _RUNNING.add(self)
+        engine.tasks.add(self)  # the engine holds the task while it runs
         self._main = self._loop.create_task(self._run())
 
     def __repr__(self) -> str:
@@ -372,6 +202,10 @@ class CacheTask:
         for d in self._dests:
             d.wake.set()
 
+    def _abort(self, reason: str) -> None:
+        """Stop the task as ``cancel()`` does, because ``reason`` (its engine is closing)."""
+        self._halt(LLMFailed(f"transfer_cache_async stopped: {reason}"))
+
     def _interrupt_sync(self) -> None:
         if self._waiting is not None and not self._waiting.done():
             self._waiting.cancel()
@@ -426,14 +260,14 @@ class CacheTask:
             self._worker = None
         exposed = self.exposed_seconds
         if self._error is None and exposed is not None:
-            self._dd._metrics.observe_exposed(exposed)
-        _RUNNING.discard(self)
+            self._engine.metrics.observe_exposed(exposed)
+        self._engine.tasks.discard(self)
         self._done.set()
 
     async def _call_sync(self, layer: int, ms: int) -> Any:
         fn = self._sync.synchronize_layer
         if self._sync_async:
-            return await fn(layer, ms)
+            return await cast("Awaitable[bool]", fn(layer, ms))
         if self._worker is None:
             self._worker = _Worker()
         result = await self._worker.submit(self._loop, fn, layer, ms)
@@ -513,8 +347,7 @@ class CacheTask:
 
     async def _send_layers(self, d: _Dest) -> None:
         loop = self._loop
-        link, remote, plan = await self._dd._layerwise_target(d.ci, self._local, d.planner,
-                                                              self._deadline - loop.time())
+        link, remote, plan = await self._engine.target(d.ci, d.planner, self._deadline - loop.time())
         n = self._per_layer
         bounds = np.searchsorted(plan.src_tensor, np.arange(d.layers[0], d.layers[-1] + 2) * n).tolist()
         while d.status is None:
@@ -531,7 +364,7 @@ class CacheTask:
                 raise self._timeout(f"layers {d.layers[k0]}..{d.layers[k1 - 1]} were not sent")
             d.busy = True
             try:
-                await self._dd._layerwise_write(link, d.ci, self._local, remote, batch, remaining)
+                await self._engine.push_runs(link, d.ci, self._local, remote, batch, remaining)
             finally:
                 d.busy = False
             if d.status is not None:  # failed meanwhile (synchronizer): the layers count for nothing
@@ -540,7 +373,7 @@ class CacheTask:
             d.sent = k1
             for k in range(k0, k1):
                 self._count(d.layers[k], True, now)
-            self._dd._metrics.observe_layers(k1 - k0)
+            self._engine.metrics.observe_layers(k1 - k0)
             if d.sent == len(d.layers):
                 d.status = LLMStatusCode.LLM_SUCCESS
 
@@ -563,18 +396,25 @@ def _dst_span(rng: Any) -> int | None:
     return last - first + 1
 
 
-def start_transfer(dd: LlmDataDist, local: LocalCache, synchronizer: Any, transfer_configs: Sequence[TransferConfig],
-                   src_block_indices: Any, dst_block_indices: Any, tensor_num_per_layer: Any,
-                   timeout_in_millis: int | None) -> CacheTask:
+def _planner(desc: CacheDesc, addrs: np.ndarray, ext: KvCacheExtParam, cfg: TransferConfig, ci: CacheIndex,
+             src_blocks: Any = None, dst_blocks: Any = None) -> Callable[[RemoteCache], Plan]:
+    """How one config's runs are planned once the destination's cache is known."""
+    if src_blocks is not None:
+        return lambda remote: plan_blocks(desc, addrs, remote.desc, remote.addrs, src_blocks, dst_blocks, ext)
+    return lambda remote: plan_cache(desc, addrs, cfg.src_batch_index, remote.desc, remote.addrs, ci.batch_index,
+                                     -1, ext)
+
+
+def start_transfer(engine: TransferEngine, local: LocalCache, synchronizer: Any,
+                   transfer_configs: Sequence[TransferConfig], src_block_indices: Any, dst_block_indices: Any,
+                   tensor_num_per_layer: Any, timeout_in_millis: int | None) -> CacheTask:
     """Check everything that needs only local state (LLMParamInvalid), then start the task."""
-    from ._datadist import _blocks_precheck, _cache_precheck, _check_index, _check_int
-    from ._plan import block_list, plan_blocks, plan_cache
 
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         raise LLMFailed("transfer_cache_async must be called from the event loop that runs LlmDataDist") from None
-    if dd._loop is not None and loop is not dd._loop:
+    if engine.loop is not None and loop is not engine.loop:
         raise LLMFailed("transfer_cache_async must be called from the event loop that runs LlmDataDist")
     if not callable(getattr(synchronizer, "synchronize_layer", None)):
         raise LLMParamInvalid("layer_synchronizer must be a LayerSynchronizer (an object with synchronize_layer)")
@@ -597,21 +437,21 @@ def start_transfer(dd: LlmDataDist, local: LocalCache, synchronizer: Any, transf
         if np.unique(db).size != db.size:
             raise LLMParamInvalid("dst_block_indices names a block more than once")
     if timeout_in_millis is not None:
-        _check_int("timeout_in_millis", timeout_in_millis, 1, 24 * 3600 * 1000)
+        check_int("timeout_in_millis", timeout_in_millis, 1, MAX_TIMEOUT_MS)
     addrs = local.addrs
     dests: list[_Dest] = []
     for i, cfg in enumerate(transfer_configs):
         try:
             if not isinstance(cfg, TransferConfig):
                 raise LLMParamInvalid(f"expected a TransferConfig, got {type(cfg).__name__}")
-            ci = _check_index(cfg.dst_cache_index, blocks=blocks)
+            ci = check_index(cfg.dst_cache_index, blocks=blocks)
             ext = KvCacheExtParam(cfg.src_layer_range, cfg.dst_layer_range, n)
             if blocks:
                 if cfg.src_batch_index != 0:
                     raise LLMParamInvalid("src_batch_index must be 0 with block indices")
-                _blocks_precheck(desc, src_block_indices, dst_block_indices, ext, True)
+                blocks_precheck(desc, src_block_indices, dst_block_indices, ext, True)
             else:
-                _cache_precheck(desc, cfg.src_batch_index, -1, ext, True)
+                cache_precheck(desc, cfg.src_batch_index, -1, ext, True)
             tensors = layer_tensors(cfg.src_layer_range, desc.num_tensors, n, "src_layer_range")
             layers = list(range(int(tensors[0]) // n, int(tensors[-1]) // n + 1))
             span = _dst_span(cfg.dst_layer_range)
@@ -619,16 +459,8 @@ def start_transfer(dd: LlmDataDist, local: LocalCache, synchronizer: Any, transf
                 raise LLMParamInvalid(f"src_layer_range spans {len(layers)} layers, dst_layer_range {span}")
         except LLMParamInvalid as exc:
             raise LLMParamInvalid(f"transfer_configs[{i}]: {exc.args[0]}") from None
-        if blocks:
-            def planner(remote: RemoteCache, ext: KvCacheExtParam = ext) -> Plan:
-                return plan_blocks(desc, addrs, remote.desc, remote.addrs, src_block_indices, dst_block_indices,
-                                   ext)
-        else:
-            def planner(remote: RemoteCache, ext: KvCacheExtParam = ext, cfg: TransferConfig = cfg,
-                        ci: CacheIndex = ci) -> Plan:
-                return plan_cache(desc, addrs, cfg.src_batch_index, remote.desc, remote.addrs, ci.batch_index,
-                                  -1, ext)
-        dests.append(_Dest(i, ci, layers, planner))
+        dests.append(_Dest(i, ci, layers, _planner(desc, addrs, ext, cfg, ci, src_block_indices, dst_block_indices)
+                           if blocks else _planner(desc, addrs, ext, cfg, ci)))
     top = max(d.layers[-1] for d in dests)
     known = getattr(synchronizer, "num_layers", None)
     if isinstance(synchronizer, LayerEvents) and top >= synchronizer.num_layers:
@@ -637,5 +469,5 @@ def start_transfer(dd: LlmDataDist, local: LocalCache, synchronizer: Any, transf
     if timeout_in_millis is not None:
         timeout_s = timeout_in_millis / 1000
     else:
-        timeout_s = dd._opts.sync_wait_ms / 1000 * num_layers
-    return CacheTask(dd, local, synchronizer, dests, n, timeout_s)
+        timeout_s = engine.sync_wait_s * num_layers
+    return CacheTask(engine, local, synchronizer, dests, n, timeout_s)

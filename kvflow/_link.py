@@ -266,12 +266,20 @@ class Link:
         remote = self.remotes.get(cache_id)
         if remote is not None:
             return remote
-        task = self._lookups.get(cache_id)
-        if task is None:
-            task = asyncio.ensure_future(self._lookup(cache_id, timeout))
-            self._lookups[cache_id] = task
-            task.add_done_callback(lambda t: self._lookup_done(cache_id, t))
-        return await asyncio.shield(task)
+        deadline = self._loop.time() + timeout
+        while True:
+            task = self._lookups.get(cache_id)
+            joined = task is not None
+            if task is None:
+                task = asyncio.ensure_future(self._lookup(cache_id, deadline - self._loop.time()))
+                self._lookups[cache_id] = task
+                task.add_done_callback(lambda t: self._lookup_done(cache_id, t))
+            try:
+                return await asyncio.shield(task)
+            except LLMTimeoutError:
+                # a lookup started by a caller with an earlier deadline timed out: ours is not spent yet
+                if not joined or deadline - self._loop.time() < 0.001:
+                    raise
 
     def _lookup_done(self, cache_id: int, task: asyncio.Future[RemoteCache]) -> None:
         if self._lookups.get(cache_id) is task:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import bisect
 import ctypes
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ._status import LLMKvCacheNotExist, LLMParamInvalid
+from ._status import LLMException, LLMKvCacheNotExist, LLMParamInvalid
 from ._types import Cache, CacheDesc, DataType, Placement
 
 
@@ -22,7 +23,7 @@ class Region:
     nbytes: int
     placement: Placement
     view: memoryview | None
-    owner: Any = None  # keeps the user's object alive while registered
+    owner: object = None  # keeps the user's object alive while registered
 
 
 def _host_view(addr: int, nbytes: int) -> memoryview:
@@ -136,7 +137,7 @@ def _array_region(arr: np.ndarray, owner: Any, nbytes: int, placement: Placement
         raise LLMParamInvalid(f"addrs[{index}]: a host buffer registered with placement DEVICE")
     if nbytes == 0:
         raise LLMParamInvalid(f"addrs[{index}]: empty tensor")
-    mv = memoryview(arr.reshape(-1).view(np.uint8))  # C-contiguous: a view, never a copy
+    mv = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # C-contiguous: a view, not a copy
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
     return Region(addr, nbytes, placement, mv[:nbytes], owner=owner)
 
@@ -182,6 +183,16 @@ def _object_nbytes(obj: Any) -> int | None:
         return None
 
 
+class CacheUser(abc.ABC):
+    """A transport's object that reads or writes registered caches on a peer's behalf, pinning each
+    (``LocalCache.pin(self)``) while it does. Past an unregister's deadline the core calls
+    :meth:`revoke` on every user that still pins the cache."""
+
+    @abc.abstractmethod
+    def revoke(self, cache: LocalCache, exc: LLMException) -> None:
+        """Stop touching ``cache`` at once (unpinning it); fail the peer's requests on it with ``exc``."""
+
+
 SMALL_RUNS = 8  # run lists up to this long are handled with Python ints, longer ones with numpy
 
 
@@ -200,7 +211,7 @@ class LocalCache:
     inflight: int = 0
     closing: bool = False
     idle: asyncio.Event | None = None
-    pins: dict[Any, int] = field(default_factory=dict)  # who holds the in-flight operations
+    pins: dict[CacheUser | None, int] = field(default_factory=dict)  # who holds the operations (None: us)
     descs: dict[str, list[bytes | None]] = field(default_factory=dict)  # per transport, for peers
 
     def __post_init__(self) -> None:
@@ -275,12 +286,12 @@ class LocalCache:
         bases, views = self._addr_list, self._views
         return [views[t][a - bases[t] : a - bases[t] + n] for t, a, n in zip(tensors, addrs, lens)]
 
-    def pin(self, owner: Any = None) -> None:
+    def pin(self, owner: CacheUser | None = None) -> None:
         """Count an operation that reads or writes this cache's memory."""
         self.inflight += 1
         self.pins[owner] = self.pins.get(owner, 0) + 1
 
-    def unpin(self, owner: Any = None) -> None:
+    def unpin(self, owner: CacheUser | None = None) -> None:
         self.inflight -= 1
         left = self.pins[owner] - 1
         if left:
@@ -322,10 +333,19 @@ class Registry:
             raise LLMKvCacheNotExist(f"cache {cache_id} is not registered here")
         return local
 
+    def lookup(self, cache_id: int) -> LocalCache | None:
+        """The cache if it is registered and not being unregistered, else None."""
+        local = self._caches.get(cache_id)
+        return None if local is None or local.closing else local
+
+    def get_any(self, cache_id: int) -> LocalCache | None:
+        """The cache, also while it is being unregistered (None if unknown)."""
+        return self._caches.get(cache_id)
+
     def pop(self, cache_id: int) -> LocalCache | None:
         return self._caches.pop(cache_id, None)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[LocalCache]:
         return iter(list(self._caches.values()))
 
     def __len__(self) -> int:

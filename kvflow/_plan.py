@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import operator
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._status import LLMParamInvalid
-from ._types import CacheDesc, KvCacheExtParam, LayerRange
+from ._types import BlockList, CacheDesc, KvCacheExtParam, LayerRange
 from .transport import RunBatch
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ def _pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple
 
 
 def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs: np.ndarray,
-                src_blocks: Sequence[int], dst_blocks: Sequence[int], ext: KvCacheExtParam | None,
+                src_blocks: BlockList, dst_blocks: BlockList, ext: KvCacheExtParam | None,
                 local_is_src: bool = True) -> Plan:
     """Runs for a block-list transfer; every block and layer is checked."""
     s_t, d_t = _pairs(ext, src, dst)

@@ -51,10 +51,10 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
     for r in thr:
         second = getattr(r, "baseline", "").endswith(", scattered")
         (extra if second else series).setdefault((r.transport, r.op), []).append(r)
-    colors = matplotlib.colormaps["tab10"].colors
+    colors = matplotlib.colormaps["tab10"].colors  # type: ignore[attr-defined]  # a ListedColormap
     sizes: set[int] = set()
     for i, ((transport, op), rs) in enumerate(sorted(series.items())):
-        rs = sorted(rs, key=lambda r: block_bytes(r.block))
+        rs = sorted(rs, key=lambda r: block_bytes(r.block) or 0)
         xs = [block_bytes(r.block) for r in rs]
         sizes.update(x for x in xs if x)
         color = colors[i % len(colors)]
@@ -82,11 +82,12 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
     ax.set_title(title or "kvflow bench: throughput against block size")
     if axl is not None:
         labels = [f"{r.transport}\n{r.op.split()[-1]}" for r in lat]
-        xs = list(range(len(lat)))
+        pos = list(range(len(lat)))
         w = 0.38
-        axl.bar([x - w / 2 for x in xs], [r.kvflow for r in lat], w, label="kvflow", color=colors[0])
-        axl.bar([x + w / 2 for x in xs], [r.raw for r in lat], w, label="baseline", color=colors[7])
-        axl.set_xticks(xs, labels, fontsize="small")
+        assert axl is not None
+        axl.bar([x - w / 2 for x in pos], [r.kvflow for r in lat], w, label="kvflow", color=colors[0])
+        axl.bar([x + w / 2 for x in pos], [r.raw for r in lat], w, label="baseline", color=colors[7])
+        axl.set_xticks(pos, labels, fontsize="small")
         axl.set_ylabel("latency (us)")
         axl.set_title("4 KiB pull latency")
         axl.legend(fontsize="small")

@@ -53,7 +53,7 @@ class PeerProcess:
         return stop_child(self.proc, self.conn, "stop", timeout)
 
 
-def stop_child(proc: BaseProcess, conn: Connection, message: Any = "stop", timeout: float = 10.0) -> int | None:
+def stop_child(proc: BaseProcess, conn: Connection, message: object = "stop", timeout: float = 10.0) -> int | None:
     """Send ``message`` to a child process over ``conn``, wait up to ``timeout`` s for it to exit,
     then kill it (SIGKILL, by its PID) if it is still there; close ``conn``. Its exit code."""
     if proc.is_alive():

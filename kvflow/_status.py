@@ -23,6 +23,7 @@ Exception tree::
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 
 class LLMStatusCode(IntEnum):
@@ -96,7 +97,7 @@ class LLMException(RuntimeError):
     def __str__(self) -> str:
         return f"{self.status_code.name}: {self.args[0]}" if self.args else self.status_code.name
 
-    def __reduce__(self):  # keep status_code across pickling (multiprocessing)
+    def __reduce__(self) -> tuple[type[LLMException], tuple[Any, LLMStatusCode]]:  # keeps status_code in pickles
         return (type(self), (self.args[0] if self.args else "", self.status_code))
 
 

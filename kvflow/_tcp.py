@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _iov as iov
 from ._iov import IovCursor
-from ._memory import SMALL_RUNS, LocalCache, Registry
+from ._memory import SMALL_RUNS, CacheUser, LocalCache, Registry
 from ._status import LLMException, LLMLinkFailed, LLMParamInvalid, LLMStatusCode, error_for
 from .transport import Endpoint, LinkChannel, RunBatch, Transport, TransportContext
 
@@ -224,7 +224,7 @@ class _Op:
         self.state = _OP_BACKLOG  # -> _OP_OUT (admitted, counted) -> _OP_DONE (retired or dropped)
 
 
-class TcpChannel:
+class TcpChannel(CacheUser):
     """Both directions of one data socket: our requests, the peer's requests, responses."""
 
     def __init__(self, sock: socket.socket, registry: Registry,

@@ -7,6 +7,8 @@ from enum import IntEnum
 from functools import cached_property
 from typing import Any, Sequence, Union
 
+import numpy as np
+
 from ._status import LLMParamInvalid
 
 
@@ -155,6 +157,8 @@ class CacheIndex:
 
 
 LayerRange = Union[tuple[int, int], range]
+#: A list of block indices: any sequence of ints, or a 1-D integer numpy array.
+BlockList = Union[Sequence[int], "np.ndarray[Any, Any]"]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Any
+from typing import Any, Mapping
 
 import msgpack
 
@@ -64,7 +64,7 @@ async def read_frame_raw(reader: asyncio.StreamReader) -> tuple[dict[str, Any], 
     return unpack(body), body
 
 
-def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+def field(msg: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     """``msg[name]`` if present and of ``kind``, else ProtocolError."""
     value = msg.get(name)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):

@@ -25,7 +25,7 @@ from ._datadist import LlmDataDist as _AsyncLlmDataDist
 from ._layerwise import CacheTask as _AsyncCacheTask
 from ._layerwise import LayerSynchronizer, TransferConfig
 from ._status import LLMFailed, LLMStatusCode
-from ._types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, LlmRole
+from ._types import BlockList, Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, LlmRole
 
 __all__ = ["CacheTask", "LlmDataDist"]
 
@@ -383,13 +383,21 @@ class LlmDataDist:
         """Blocking :meth:`kvflow.LlmDataDist.link_info`."""
         return self._call("link_info", self._dd.link_info, cluster_id)
 
+    def links(self) -> dict[int, LinkInfo]:
+        """Blocking :meth:`kvflow.LlmDataDist.links`."""
+        return self._call("links", self._dd.links)
+
+    def local_caches(self) -> dict[int, Cache]:
+        """Blocking :meth:`kvflow.LlmDataDist.local_caches`."""
+        return self._call("local_caches", self._dd.local_caches)
+
     # ------------------------------------------------------------------ caches
-    def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: Any = None, *,
+    def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: object | None = None, *,
                           key: int | None = None) -> Cache:
         """Blocking :meth:`kvflow.LlmDataDist.register_kv_cache`."""
         return self._call("register_kv_cache", self._dd.register_kv_cache, cache_desc, addrs, cfg, key=key)
 
-    def submit_register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: Any = None, *,
+    def submit_register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cfg: object | None = None, *,
                                  key: int | None = None) -> concurrent.futures.Future[Cache]:
         """:meth:`register_kv_cache` without blocking."""
         return self._submit("register_kv_cache", self._dd.register_kv_cache, cache_desc, addrs, cfg, key=key)
@@ -452,15 +460,15 @@ class LlmDataDist:
         return self._submit("pull_kv_cache", self._dd.pull_kv_cache, src_cache_index, dst_cache, batch_index,
                             size, ext_param, timeout_in_millis=timeout_in_millis)
 
-    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
+                       dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                        timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.pull_kv_blocks`."""
         self._call("pull_kv_blocks", self._dd.pull_kv_blocks, src_cache_index, dst_cache, src_blocks,
                    dst_blocks, ext_param, timeout_in_millis=timeout_in_millis)
 
-    def submit_pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+    def submit_pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
+                              dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                               timeout_in_millis: int | None = None) -> concurrent.futures.Future[None]:
         """:meth:`pull_kv_blocks` without blocking."""
         return self._submit("pull_kv_blocks", self._dd.pull_kv_blocks, src_cache_index, dst_cache, src_blocks,
@@ -480,15 +488,15 @@ class LlmDataDist:
         return self._submit("push_kv_cache", self._dd.push_kv_cache, src_cache, dst_cache_index,
                             src_batch_index, size, ext_param, timeout_in_millis=timeout_in_millis)
 
-    def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                       dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+    def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
+                       dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                        timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.push_kv_blocks`."""
         self._call("push_kv_blocks", self._dd.push_kv_blocks, src_cache, dst_cache_index, src_blocks,
                    dst_blocks, ext_param, timeout_in_millis=timeout_in_millis)
 
-    def submit_push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
-                              dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None, *,
+    def submit_push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
+                              dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                               timeout_in_millis: int | None = None) -> concurrent.futures.Future[None]:
         """:meth:`push_kv_blocks` without blocking."""
         return self._submit("push_kv_blocks", self._dd.push_kv_blocks, src_cache, dst_cache_index, src_blocks,
@@ -496,8 +504,8 @@ class LlmDataDist:
 
     # ------------------------------------------------------------------ layer-wise push
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
-                             transfer_configs: Sequence[TransferConfig], src_block_indices: Sequence[int] | None = None,
-                             dst_block_indices: Sequence[int] | None = None, tensor_num_per_layer: int = 2, *,
+                             transfer_configs: Sequence[TransferConfig], src_block_indices: BlockList | None = None,
+                             dst_block_indices: BlockList | None = None, tensor_num_per_layer: int = 2, *,
                              timeout_in_millis: int | None = None) -> CacheTask:
         """:meth:`kvflow.LlmDataDist.transfer_cache_async`: starts the layer-wise push on the loop thread
         and returns a :class:`CacheTask` at once (argument errors are raised here).

@@ -30,6 +30,12 @@ Rules every transport keeps (``kvflow.testing.check_transport`` checks them):
 - When the task awaiting ``read`` is cancelled, ``read`` re-raises only once no further byte of
   that read can land in local memory.
 - Report a broken endpoint with ``channel.broken(exc)`` so the core fails the link's futures.
+
+This module is the whole contract: a plugin imports nothing else from kvflow but ``kvflow``
+itself. The errors and value types a transport needs are re-exported here, with
+:func:`stop_child` for benches that run a peer process. A plugin's raw-baseline bench is found
+through the entry-point group ``kvflow.benches`` (a module with ``BASELINE_NAME`` and
+``baseline(pid, buf, repeat, remote_addr=)``).
 """
 
 from __future__ import annotations
@@ -39,21 +45,41 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
-from ._memory import LocalCache, Region, Registry
-from ._status import LLMFeatureNotEnabled
-from ._types import CacheDesc
+from ._memory import CacheUser, LocalCache, Region, Registry
+from ._proc import stop_child
+from ._status import (
+    LLMException,
+    LLMFeatureNotEnabled,
+    LLMKvCacheNotExist,
+    LLMLinkFailed,
+    LLMParamInvalid,
+    LLMStatusCode,
+    LLMTimeoutError,
+    error_for,
+)
+from ._types import CacheDesc, DataType, Placement
 
 if TYPE_CHECKING:
     import socket
 
 __all__ = [
+    "CacheDesc",
+    "CacheUser",
+    "DataType",
     "Endpoint",
+    "LLMException",
+    "LLMFeatureNotEnabled",
+    "LLMKvCacheNotExist",
+    "LLMLinkFailed",
+    "LLMParamInvalid",
+    "LLMStatusCode",
+    "LLMTimeoutError",
     "LinkChannel",
+    "Placement",
     "LocalCache",
     "Region",
     "RemoteCache",
@@ -61,8 +87,8 @@ __all__ = [
     "RunBatch",
     "Transport",
     "TransportContext",
-    "available_transports",
-    "load_transport",
+    "error_for",
+    "stop_child",
 ]
 
 log = logging.getLogger("kvflow.transport")
@@ -282,46 +308,3 @@ class Transport(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport (at finalize)."""
-
-
-def _builtin() -> dict[str, type[Transport]]:
-    from ._tcp import TcpTransport
-
-    return {"tcp": TcpTransport}
-
-
-def _entry_point_names() -> dict[str, Any]:
-    return {ep.name: ep for ep in entry_points(group="kvflow.transports")}
-
-
-def load_transport(name: str) -> type[Transport]:
-    """The transport class called ``name``; LLMFeatureNotEnabled (with the reason) if unusable."""
-    builtin = _builtin()
-    if name in builtin:
-        cls = builtin[name]
-    else:
-        ep = _entry_point_names().get(name)
-        if ep is None:
-            known = ", ".join(sorted(set(builtin) | set(_entry_point_names())))
-            raise LLMFeatureNotEnabled(f"no transport called {name!r} is installed (installed: {known})")
-        try:
-            cls = ep.load()
-        except Exception as exc:  # a broken plugin must not break kvflow
-            raise LLMFeatureNotEnabled(f"{name}: cannot load {ep.value}: {exc}") from exc
-    reason = cls.unavailable_reason()
-    if reason:
-        raise LLMFeatureNotEnabled(f"{name}: {reason}")
-    return cls
-
-
-def available_transports() -> dict[str, str]:
-    """Every installed transport, with ``"ok"`` or the one-line reason it cannot run here."""
-    out: dict[str, str] = {}
-    for name in sorted(set(_builtin()) | set(_entry_point_names())):
-        try:
-            load_transport(name)
-        except LLMFeatureNotEnabled as exc:
-            out[name] = str(exc.args[0]).removeprefix(f"{name}: ")
-        else:
-            out[name] = "ok"
-    return out

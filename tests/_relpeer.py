@@ -33,6 +33,7 @@ from kvflow import (
 from kvflow import _tcp as tcp
 from kvflow import _wire as wire
 from kvflow._proc import PeerProcess, recv_from_parent
+from kvflow.testing import inspect
 
 GUARD = 4096
 GUARD_BYTE = 0xA5
@@ -142,10 +143,10 @@ async def _do(dd: LlmDataDist, caches: dict[int, Guarded], handles: dict[int, An
     if op == "guards_ok":
         return caches[args[0]].guards_ok()
     if op == "inflight":  # peer operations holding the cache (pins)
-        local = dd._registry._caches.get(args[0])
+        local = inspect.local_cache(dd, args[0])
         return None if local is None else local.inflight
     if op == "links":
-        return {cid: link.state.value for cid, link in dd._links.items()}
+        return {cid: link.state.value for cid, link in inspect.links(dd).items()}
     if op == "link":
         cluster, ip, port, timeout_ms = args
         return int((await dd.link_llm_clusters([ClusterInfo(cluster, [IpInfo(ip, port)])], timeout_ms))[0])
@@ -180,7 +181,7 @@ async def many_main(conn: Connection) -> None:
         msg = await recv_from_parent(conn)
         if msg == "stop":
             break
-        conn.send({dd.cluster_id: len(dd._links) for dd, _ in servers})
+        conn.send({dd.cluster_id: len(inspect.links(dd)) for dd, _ in servers})
     for dd, _ in servers:
         await dd.finalize()
 

@@ -14,6 +14,7 @@ import pytest_asyncio
 from kvflow import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmDataDist, LLMParamInvalid, LlmRole
 from kvflow._deadline import Deadline
 from kvflow._memory import LocalCache, Registry
+from kvflow.testing import inspect
 from kvflow.transport import Endpoint, RemoteCache, RunBatch
 
 from .conftest import LOCAL_CLUSTER, PEER_CLUSTER, Peer, start_peer
@@ -123,7 +124,7 @@ async def _linked(peer: Peer, **options: str) -> LlmDataDist:
 
 
 def _channel(dd: LlmDataDist) -> Any:
-    return dd._links[PEER_CLUSTER].endpoint._ch  # type: ignore[union-attr]
+    return inspect.links(dd)[PEER_CLUSTER].endpoint._ch  # type: ignore[union-attr]
 
 
 @pytest.mark.asyncio

@@ -13,7 +13,7 @@ import pytest
 import kvflow.metrics
 from kvflow import CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam, LlmDataDist, LLMKvCacheNotExist, LLMParamInvalid
 from kvflow import _metrics as metrics_impl
-from kvflow.testing import KvPair
+from kvflow.testing import KvPair, inspect
 
 # heartbeats are not under test here: a loaded CI machine must not break the link mid-test
 PATIENT = {"kvflow.HeartbeatInterval": "1000", "kvflow.HeartbeatTimeout": "20000"}
@@ -109,7 +109,7 @@ async def test_prometheus_counters_match_what_was_moved(kvflow_pair: KvPair) -> 
 async def test_link_down_and_layerwise_hook_are_exported(kvflow_pair: KvPair) -> None:
     registry = _prometheus().CollectorRegistry()
     kvflow.metrics.register_prometheus(registry)
-    m = kvflow_pair.dd._metrics
+    m = inspect.metrics(kvflow_pair.dd)
     m.observe_exposed(0.0004)
     m.observe_exposed(0.003)
     m.observe_layers(32)
@@ -126,7 +126,7 @@ async def test_link_down_and_layerwise_hook_are_exported(kvflow_pair: KvPair) ->
 
 def test_finalized_instances_are_not_exported() -> None:
     dd = LlmDataDist(31337)
-    assert dd._metrics not in metrics_impl.live()  # not initialized
+    assert inspect.metrics(dd) not in metrics_impl.live()  # not initialized
 
 
 # ---------------------------------------------------------------------- tracing
@@ -175,7 +175,7 @@ async def test_spans_when_a_tracer_provider_is_installed(kvflow_pair: KvPair,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     trace = pytest.importorskip("opentelemetry.trace")
     p = kvflow_pair
-    assert p.dd._metrics.start_span("pull", 1, 1) is None  # no provider installed: no span, no cost
+    assert inspect.metrics(p.dd).start_span("pull", 1, 1) is None  # no provider installed: no span, no cost
     spans: list[_Span] = []
     monkeypatch.setattr(trace, "_TRACER_PROVIDER", _fake_provider(spans))
     await p.dd.pull_kv_blocks(p.remote, p.cache, [0, 1], [0, 1])

@@ -77,6 +77,7 @@ from kvflow import (  # noqa: E402
     LLMStatusCode,
 )
 from kvflow import _tcp as tcp  # noqa: E402
+from kvflow.testing import inspect  # noqa: E402
 
 
 def _why_not() -> str | None:
@@ -202,7 +203,7 @@ async def test_cable_cut_mid_transfer_then_restored(net: Net, peer: Any) -> None
         pull = asyncio.ensure_future(dd.pull_kv_blocks(src, cache, blocks, blocks))
         ended: list[float] = []
         pull.add_done_callback(lambda _f: ended.append(time.monotonic()))
-        ep = dd._links[PEER].endpoint
+        ep = inspect.links(dd)[PEER].endpoint
         assert isinstance(ep, tcp.TcpEndpoint)
         ch = ep._ch
         t_start = time.monotonic()
@@ -231,7 +232,7 @@ async def test_cable_cut_mid_transfer_then_restored(net: Net, peer: Any) -> None
         # interface going away to a socket that sends a heartbeat meanwhile)
         net.cable(False)
         await _broken_within(dd, 1.6)
-        assert isinstance(dd._links[PEER].error, LLMException)
+        assert isinstance(inspect.links(dd)[PEER].error, LLMException)
         net.cable(True)
         await _relink(dd, address, 10)
         await dd.pull_kv_blocks(src, cache, [7], [0])

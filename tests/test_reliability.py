@@ -42,7 +42,7 @@ from kvflow import (
 )
 from kvflow import _wire as wire
 from kvflow._proc import PeerProcess
-from kvflow.testing import FaultProxy
+from kvflow.testing import FaultProxy, inspect
 
 from ._relpeer import Guarded, Peer, RawClient, many_main
 
@@ -84,19 +84,19 @@ async def until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "co
 
 
 def chan(dd: LlmDataDist, cluster: int = PEER) -> tcp.TcpChannel:
-    ep = dd._links[cluster].endpoint
+    ep = inspect.links(dd)[cluster].endpoint
     assert isinstance(ep, tcp.TcpEndpoint)
     return ep._ch
 
 
 def assert_quiet(dd: LlmDataDist, cluster: int = PEER) -> None:
     """Nothing of ours is outstanding on the link and no cache is pinned."""
-    link = dd._links[cluster]
+    link = inspect.links(dd)[cluster]
     assert link.healthy, link
     ch = chan(dd, cluster)
     assert not ch._pending and not ch._backlog and ch._out_frames == 0 and ch._out_runs == 0
     assert not link._pending
-    for local in dd._registry:
+    for local in inspect.local_caches(dd):
         assert local.inflight == 0 and not local.pins, (local.cache_id, local.pins)
     for remote in link.remotes.values():
         assert remote.inflight == 0
@@ -423,7 +423,7 @@ async def test_cancel_frames_waiting_for_room_and_on_the_wire(cleanup: list[Any]
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
     assert not ch._backlog
-    local = dd._registry._caches[cache.cache_id]
+    local = inspect.local_cache(dd, cache.cache_id)
     assert local.inflight == 0
     proxy.resume()
     await until(lambda: ch._out_frames == 0, 5, "abandoned responses to be drained")
@@ -465,7 +465,7 @@ async def test_cancelled_push_keeps_its_source_pinned_until_the_frame_is_sent(cl
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    local = dd._registry._caches[cache.cache_id]
+    local = inspect.local_cache(dd, cache.cache_id)
     assert local.pins == {chan(dd): 1}, "the frame on the wire still reads the source"
     proxy.resume()
     await until(lambda: not local.pins, 5, "the frame to be sent")
@@ -509,7 +509,7 @@ async def stalled_peer_read(cleanup: list[Any], seed: int) -> tuple[Any, Peer, F
 @pytest.mark.asyncio
 async def test_unregister_waits_for_a_peer_read_in_progress(cleanup: list[Any]) -> None:
     dd, peer, proxy, g, cache, pull = await stalled_peer_read(cleanup, 30)
-    local = dd._registry._caches[cache.cache_id]
+    local = inspect.local_cache(dd, cache.cache_id)
     assert local.inflight == 1
     unreg = asyncio.ensure_future(dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=10000))
     await asyncio.sleep(0.3)
@@ -527,12 +527,12 @@ async def test_unregister_waits_for_a_peer_read_in_progress(cleanup: list[Any]) 
 @pytest.mark.asyncio
 async def test_unregister_deadline_cuts_a_stalled_peer_read(cleanup: list[Any]) -> None:
     dd, peer, proxy, _g, cache, pull = await stalled_peer_read(cleanup, 31)
-    local = dd._registry._caches[cache.cache_id]
+    local = inspect.local_cache(dd, cache.cache_id)
     t0 = time.monotonic()
     await dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
     assert time.monotonic() - t0 < 1.0
     assert local.inflight == 0 and not local.pins
-    assert cache.cache_id not in dd._registry._caches
+    assert inspect.local_cache(dd, cache.cache_id) is None
     # the read was half sent and cannot be taken back: the data connection was closed
     assert dd.link_info(PEER).state == "broken"
     proxy.resume()
@@ -557,7 +557,7 @@ async def test_unregister_deadline_diverts_a_stalled_peer_write(cleanup: list[An
     push = asyncio.ensure_future(peer.call("push_blocks", LOCAL, cache.cache_id, peer.caches[0], blocks, blocks,
                                            30000))
     ch = chan(dd)
-    local = dd._registry._caches[cache.cache_id]
+    local = inspect.local_cache(dd, cache.cache_id)
     await until(lambda: ch._payload_pin is local and ch._left < (16 << 20) - (1 << 20), 10, "payload landing")
     t0 = time.monotonic()
     await dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
@@ -590,7 +590,7 @@ async def test_unregister_answers_queued_peer_reads_without_cutting_the_link(cle
     pull_small = asyncio.ensure_future(peer.call("pull_blocks", LOCAL, cache2.cache_id, peer.caches[1], [0, 1],
                                                  [0, 1], 30000))
     ch = chan(dd)
-    local2 = dd._registry._caches[cache2.cache_id]
+    local2 = inspect.local_cache(dd, cache2.cache_id)
     await until(lambda: any(o.pinned is local2 and o.idx == -1 for o in ch._sendq), 10, "queued response")
     await dd.unregister_kv_cache(cache2.cache_id, timeout_in_millis=300)
     assert local2.inflight == 0
@@ -717,7 +717,7 @@ async def test_handshake_abuse_is_closed_within_bounds(cleanup: list[Any]) -> No
     for what in ("garbage_magic", "oversized", "not_a_map"):
         assert took[what] < 0.5, took  # refused at once
     assert max(took.values()) < 2.5, took  # the others at the handshake timeout (1 s here, twice at most)
-    assert not srv._linking and not srv._data_waiters and len(srv._links) == 0
+    assert not inspect.linking(srv) and not inspect.data_waiters(srv) and len(inspect.links(srv)) == 0
     await serves_a_real_client(srv, cache, g, cleanup, cluster=9)  # cluster 9 was left half-linked above
 
 
@@ -732,7 +732,7 @@ async def test_link_to_a_silent_server_fails_at_its_deadline(cleanup: list[Any])
         t0 = time.monotonic()
         assert await link(dd, PEER, hole.getsockname()[:2], timeout_ms=500) == LLMStatusCode.LLM_LINK_FAILED
         assert 0.45 < time.monotonic() - t0 < 1.5
-        assert PEER not in dd._links and not dd._linking
+        assert PEER not in inspect.links(dd) and not inspect.linking(dd)
     finally:
         hole.close()
 
@@ -743,7 +743,7 @@ async def test_control_request_flood_is_bounded(cleanup: list[Any]) -> None:
     srv, g, cache = await server(cleanup, d)
     addr = srv.listen_address
     assert addr is not None and g is not None
-    handle = srv._handle
+    handle = inspect.handler(srv)
 
     async def slow_or_not(link: Any, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("op") == "slow":  # stands for a request that waits (a peer's unregister draining)
@@ -751,7 +751,7 @@ async def test_control_request_flood_is_bounded(cleanup: list[Any]) -> None:
             return {}
         return await handle(link, msg)
 
-    srv._handle = slow_or_not  # type: ignore[method-assign]
+    inspect.replace_handler(srv, slow_or_not)
 
     def flood(op: str, n: int) -> list[dict[str, Any]]:
         c = RawClient(addr)
@@ -793,7 +793,7 @@ async def test_peer_that_does_not_read_its_control_answers_loses_the_link(
     c = await asyncio.to_thread(RawClient, addr)
     try:
         await asyncio.to_thread(c.handshake, 9, PEER)
-        link9 = srv._links[9]
+        link9 = inspect.links(srv)[9]
         sent = 0
         for _ in range(500):  # bounded: 500 x 40 requests, far more than the buffers hold
             if not link9.healthy:
@@ -872,7 +872,7 @@ async def test_data_requests_outside_registered_memory_are_refused(cleanup: list
     assert out["unknown_cache"][0][5] == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     assert out["good"][0][5] == 0 and out["good"][1] == g.tensors[1][8:16].tobytes()
     assert (g.buf == before).all(), "a refused request changed registered memory or its guards"
-    await until(lambda: not srv._links[9].healthy, 5, "the probing client's link to go")
+    await until(lambda: not inspect.links(srv)[9].healthy, 5, "the probing client's link to go")
 
     for frame in (tcp.HDR.pack(tcp.READ_REQ, 0, 0, tcp.MAX_RUNS + 1, 1, cache.cache_id, 8),  # too many runs
                   tcp.HDR.pack(tcp.READ_REQ, 0, 0, 0, 1, cache.cache_id, 0),  # no runs
@@ -881,8 +881,8 @@ async def test_data_requests_outside_registered_memory_are_refused(cleanup: list
                   tcp.HDR.pack(9, 0, 0, 0, 1, 0, 0)):  # unknown kind
         answer, closed = await asyncio.to_thread(violate, frame)
         assert answer is None and closed, frame
-        assert not srv._links[10].healthy
-        assert "protocol error" in str(srv._links[10].error)
+        assert not inspect.links(srv)[10].healthy
+        assert "protocol error" in str(inspect.links(srv)[10].error)
     assert (g.buf == before).all()
     await serves_a_real_client(srv, cache, g, cleanup)
 
@@ -913,9 +913,9 @@ async def test_peer_exceeding_outstanding_requests_loses_the_link(cleanup: list[
             c.close()
 
     await asyncio.to_thread(greedy)
-    await until(lambda: 9 not in srv._links or not srv._links[9].healthy, 5, "the greedy link to break")
-    assert "outstanding" in str(srv._links[9].error)
-    local = srv._registry._caches[cache.cache_id]
+    await until(lambda: 9 not in inspect.links(srv) or not inspect.links(srv)[9].healthy, 5, "the greedy link to break")
+    assert "outstanding" in str(inspect.links(srv)[9].error)
+    local = inspect.local_cache(srv, cache.cache_id)
     assert local.inflight == 0 and not local.pins
     await serves_a_real_client(srv, cache, g, cleanup)
 
@@ -938,7 +938,7 @@ async def test_auth_key_required_and_mutual(cleanup: list[Any]) -> None:
 
     assert await try_link(20) == LLMStatusCode.LLM_LINK_FAILED  # no key
     assert await try_link(21, **{"kvflow.AuthKey": "another-secret-another"}) == LLMStatusCode.LLM_LINK_FAILED
-    assert PEER not in srv._links and not any(k in srv._links for k in (20, 21))
+    assert PEER not in inspect.links(srv) and not any(k in inspect.links(srv) for k in (20, 21))
 
     def raw_without_key() -> list[Any]:
         c = RawClient(addr)
@@ -962,7 +962,7 @@ async def test_auth_key_required_and_mutual(cleanup: list[Any]) -> None:
     dd = await make_dd(23, **key)
     cleanup.append(dd)
     assert await link(dd, 30, open_srv.listen_address) == LLMStatusCode.LLM_LINK_FAILED
-    assert not open_srv._links
+    assert not inspect.links(open_srv)
     # with the key: linked, and data moves
     assert await link(dd, PEER, addr) == LLMStatusCode.LLM_SUCCESS
     dst = Guarded(d, None)
@@ -1001,7 +1001,7 @@ async def test_hundreds_of_links_from_one_process(cleanup: list[Any]) -> None:
     rets = await asyncio.gather(*(dd.link_llm_clusters(c, 20000) for c in chunks))
     link_s = time.monotonic() - t0
     assert all(r == LLMStatusCode.LLM_SUCCESS for ret in rets for r in ret)
-    assert len(dd._links) == n
+    assert len(inspect.links(dd)) == n
     t1 = time.monotonic()
     await asyncio.gather(*(dd.pull_kv_blocks(CacheIndex(first + i, servers[i][1]), mine, [i % 4], [i])
                            for i in range(n)))
@@ -1010,10 +1010,10 @@ async def test_hundreds_of_links_from_one_process(cleanup: list[Any]) -> None:
         assert (dst.tensors[0][i * 4096:(i + 1) * 4096] == expected(first + i, d, 0, [i % 4])).all(), i
     per_link = (_rss() - rss0) / n
     await asyncio.sleep(1.2)  # a few heartbeat rounds over every link
-    assert all(link.healthy for link in dd._links.values())
+    assert all(link.healthy for link in inspect.links(dd).values())
     rets = await asyncio.gather(*(dd.unlink_llm_clusters(c, 5000) for c in chunks))
     assert all(r == LLMStatusCode.LLM_SUCCESS for ret in rets for r in ret)
-    assert not dd._links
+    assert not inspect.links(dd)
     proc.send("count")
     counts = await proc.recv(30)
     assert sum(counts.values()) == 0, "the servers dropped their side of every link"
@@ -1025,9 +1025,9 @@ async def test_hundreds_of_links_from_one_process(cleanup: list[Any]) -> None:
 @pytest.mark.asyncio
 async def test_handshake_flood_is_refused_beyond_the_bound(cleanup: list[Any],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvflow._datadist as datadist
+    import kvflow._listener as listener
 
-    monkeypatch.setattr(datadist, "MAX_HANDSHAKES", 8)
+    monkeypatch.setattr(listener, "MAX_HANDSHAKES", 8)
     d = desc(4, 4096)
     srv, g, cache = await server(cleanup, d, **{"kvflow.HeartbeatInterval": "100",
                                                 "kvflow.HeartbeatTimeout": "1000"})
@@ -1052,7 +1052,7 @@ async def test_handshake_flood_is_refused_beyond_the_bound(cleanup: list[Any],
                 s.close()
 
     assert await asyncio.to_thread(flood) >= 12  # the silent ones beyond 8 were closed at once
-    await until(lambda: len(srv._accepting) == 0, 5, "the silent handshakes to time out")
+    await until(lambda: inspect.handshakes(srv) == 0, 5, "the silent handshakes to time out")
     await serves_a_real_client(srv, cache, g, cleanup)
 
 
@@ -1068,8 +1068,8 @@ async def test_max_links_makes_room_by_dropping_broken_links(cleanup: list[Any])
     assert await link(b, PEER, addr) == LLMStatusCode.LLM_SUCCESS
     assert await link(c, PEER, addr) == LLMStatusCode.LLM_LINK_FAILED  # full
     await a.unlink_llm_clusters([ClusterInfo(PEER, [IpInfo(*addr)])], force=True)  # only a's side: srv's breaks
-    await until(lambda: not srv._links[11].healthy, 5, "the server to see the cut")
-    assert set(srv._links) == {11, 12}
+    await until(lambda: not inspect.links(srv)[11].healthy, 5, "the server to see the cut")
+    assert set(inspect.links(srv)) == {11, 12}
     assert await link(c, PEER, addr) == LLMStatusCode.LLM_SUCCESS  # room made by dropping the broken link
-    assert set(srv._links) == {12, 13}
-    assert srv._links[12].healthy
+    assert set(inspect.links(srv)) == {12, 13}
+    assert inspect.links(srv)[12].healthy

@@ -32,6 +32,7 @@ from kvflow import (
     available_transports,
 )
 from kvflow import _wire as wire
+from kvflow.testing import inspect
 
 from ._relpeer import Peer, RawClient
 from .test_reliability import PEER, cleanup, desc, link, make_dd, server, serves_a_real_client, until
@@ -70,7 +71,7 @@ async def test_shm_choice_never_probes_an_address_the_peer_chose(cleanup: list[A
     srv, g, cache = await server(cleanup, desc(4, 4096), **{"kvflow.Transports": "shm,tcp"})
     addr = srv.listen_address
     assert addr is not None and g is not None
-    ours = kvflow_shm.ShmTransport(srv._transports["shm"].ctx).describe()
+    ours = kvflow_shm.ShmTransport(inspect.transport(srv, "shm").ctx).describe()
 
     def attempt(guess: bytes) -> list[dict[str, Any] | None]:
         c = RawClient(addr)
@@ -92,7 +93,7 @@ async def test_shm_choice_never_probes_an_address_the_peer_chose(cleanup: list[A
     assert right[1:] == wrong[1:]  # the answers do not depend on the guess
     assert b"S3CRET" not in msgpack.packb(right + wrong)
     assert not touched, touched  # nothing read or wrote any process's memory
-    assert not srv._links
+    assert not inspect.links(srv)
     await serves_a_real_client(srv, cache, g, cleanup)
 
 
@@ -207,8 +208,8 @@ async def test_relay_that_alters_the_handshake_is_detected(cleanup: list[Any], f
         dd = await make_dd(8, **KEY, **{"kvflow.Transports": transports})
         cleanup.append(dd)
         assert await link(dd, PEER, via) == LLMStatusCode.LLM_LINK_FAILED
-        await until(lambda: 8 not in srv._links or not srv._links[8].healthy, 5, "no link on the server")
-        assert 8 not in dd._links
+        await until(lambda: 8 not in inspect.links(srv) or not inspect.link(srv, 8).healthy, 5, "no server link")
+        assert 8 not in inspect.links(dd)
         # the same relay, altering nothing, links: the failure above was the alteration's
         relay.alter = lambda m: None
         dd2 = await make_dd(9, **KEY, **{"kvflow.Transports": transports})
@@ -251,7 +252,7 @@ async def test_replayed_handshake_is_refused(cleanup: list[Any]) -> None:
     assert challenge is not None and challenge["t"] == "challenge"
     assert answer is not None and answer["t"] == "reject" and answer["code"] == LLMStatusCode.LLM_LINK_FAILED
     assert after is None
-    assert 8 in srv._links and srv._links[8].healthy  # the real link is untouched
+    assert 8 in inspect.links(srv) and inspect.links(srv)[8].healthy  # the real link is untouched
 
 
 # hostile handshake inputs: each example is one connection
@@ -262,8 +263,9 @@ _frames = st.one_of(
     st.builds(lambda t, inner: {"t": t, "m": msgpack.packb(inner)},
               st.sampled_from(["choose", "connected"]),
               st.dictionaries(st.sampled_from(["transport", "info", "ok", "why"]),
-                              st.one_of(st.text(max_size=8), st.integers(), st.none(), st.booleans(),
-                                        st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)),
+                              st.one_of(st.text(max_size=8), st.integers(-(1 << 63), (1 << 64) - 1), st.none(),
+                                        st.booleans(),
+                                        st.dictionaries(st.text(max_size=4), st.integers(0, 1 << 32), max_size=3)),
                               max_size=4)),
     st.builds(lambda n: {"t": "hello", "v": wire.PROTOCOL_VERSION, "cluster": 9, "expect": PEER,
                          "instance": "x", "auth": False, "cnonce": b"", "transports": ["tcp"] * n},
@@ -271,11 +273,12 @@ _frames = st.one_of(
     st.just({"t": "auth", "mac": b"\0" * 32}),
     st.just({"t": "hello", "transports": "x" * 100_000}),
 )
-FUZZ_EXAMPLES = int(os.environ.get("KVFLOW_HANDSHAKE_FUZZ", "100"))
+FUZZ_EXAMPLES = int(os.environ.get("KVFLOW_HANDSHAKE_FUZZ", "30"))
 fuzz_log: dict[str, int] = {"inputs": 0, "links": 0}
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("transports", LISTENER)
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "key"])
 async def test_handshake_fuzz_never_links_crashes_or_hangs(cleanup: list[Any], keyed: bool, transports: str) -> None:
@@ -316,7 +319,7 @@ async def test_handshake_fuzz_never_links_crashes_or_hangs(cleanup: list[Any], k
 
     await asyncio.to_thread(one)
     assert worst[0] < 2.5, worst  # the handshake bound (1 s here), with slack for a loaded machine
-    assert not srv._links and not srv._linking and not srv._data_waiters
+    assert not inspect.links(srv) and not inspect.linking(srv) and not inspect.data_waiters(srv)
     await serves_a_real_client(srv, cache, g, cleanup, **(KEY if keyed else {}), **{"kvflow.Transports": transports})
 
 
@@ -364,7 +367,7 @@ async def test_unregister_never_succeeds_while_a_stopped_peer_can_still_write(cl
         with pytest.raises(LLMWaitProcessTimeout, match="cluster 8"):
             await srv.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
         assert srv.link_info(8).state == "broken"
-        assert srv._registry.get(cache.cache_id) is not None  # still registered: the memory is not free
+        assert inspect.local_cache(srv, cache.cache_id) is not None  # still registered: the memory is not free
         with pytest.raises(LLMWaitProcessTimeout):  # and stays so while that process lives
             await srv.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
     finally:
@@ -372,8 +375,9 @@ async def test_unregister_never_succeeds_while_a_stopped_peer_can_still_write(cl
     if name == "shm":  # a peer known dead no longer holds the memory
         peer.kill()
         await asyncio.wait([push], timeout=10)
-        await until(lambda: srv._links[8].endpoint is not None and srv._links[8].endpoint.peer_exited(), 10,
-                    "the peer's exit to be seen")
+        ep = inspect.link(srv, 8).endpoint
+        assert ep is not None
+        await until(ep.peer_exited, 10, "the peer's exit to be seen")
         await srv.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
 
 

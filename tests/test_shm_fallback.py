@@ -68,3 +68,30 @@ async def test_peer_in_another_pid_namespace_falls_back_to_tcp() -> None:
         except TimeoutError:
             peer.kill()
             await peer.wait()
+
+
+@pytest.mark.skipif(available_transports().get("shm") != "ok", reason=f"shm: {available_transports().get('shm')}")
+async def test_shm_unavailable_here_falls_back_to_tcp_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """shm that cannot run in this process (Yama, seccomp; stood in for by its off switch, since
+    this machine has neither) is skipped at initialize, and each link names the reason."""
+    peer = await asyncio.create_subprocess_exec(sys.executable, "-c", PEER, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)
+    try:
+        assert peer.stdout is not None
+        line = await asyncio.wait_for(peer.stdout.readline(), 60)
+        port, _ = (int(x) for x in line.split())
+        monkeypatch.setenv("KVFLOW_SHM_DISABLE", "1")
+        async with LlmDataDist(2, options={"kvflow.Transports": "shm,tcp"}) as dd:
+            assert dd.transports == ("tcp",)
+            assert await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", port)])], 5000) == [0]
+            info = dd.link_info(1)
+            assert info.transport == "tcp"
+            assert "KVFLOW_SHM_DISABLE" in info.fallbacks["shm"], info.fallbacks
+    finally:
+        if peer.stdin is not None:
+            peer.stdin.close()
+        try:
+            await asyncio.wait_for(peer.wait(), 10)
+        except TimeoutError:
+            peer.kill()
+            await peer.wait()

@@ -48,7 +48,7 @@ from kvflow import (
     LLMTimeoutError,
 )
 from kvflow import _tcp as tcp
-from kvflow.testing import FaultProxy
+from kvflow.testing import FaultProxy, inspect
 
 from ._relpeer import Guarded, Peer
 
@@ -161,7 +161,7 @@ class Soak:
             self.quarantine.clear()
         self.quarantine.update(self.failed_now)
         self.failed_now.clear()
-        if broken or not self.dd._links[PEER].healthy:
+        if broken or not inspect.links(self.dd)[PEER].healthy:
             await self.relink()
 
     def inject(self, fault: str) -> None:
@@ -244,7 +244,7 @@ class Soak:
     async def checkpoint(self) -> None:
         """Everything recorded still holds: local blocks (late bytes would show), the peer's pushed blocks,
         guards on both sides; and when the link is idle nothing is outstanding."""
-        link = self.dd._links.get(PEER)
+        link = inspect.links(self.dd).get(PEER)
         if link is not None and link.healthy:
             ep = link.endpoint
             assert isinstance(ep, tcp.TcpEndpoint)
@@ -280,11 +280,11 @@ async def test_soak() -> None:
                 await soak.checkpoint()
                 next_check += 250
         soak.proxy.resume()
-        if not soak.dd._links[PEER].healthy:
+        if not inspect.links(soak.dd)[PEER].healthy:
             await soak.relink()
         await soak.checkpoint()
         # at the end: nothing pinned or outstanding, on either side
-        local = soak.dd._registry._caches[soak.cache.cache_id]
+        local = inspect.local_cache(soak.dd, soak.cache.cache_id)
         assert local.inflight == 0 and not local.pins
         assert await soak.peer.call("inflight", soak.src.cache_id) == 0
         assert await soak.peer.call("inflight", soak.dst.cache_id) == 0

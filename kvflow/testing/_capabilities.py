@@ -62,7 +62,7 @@ def gpu_missing() -> str | None:
 
 def transport_missing(name: str) -> str | None:
     """Why transport ``name`` cannot run here (not installed, or its own reason); None when it can."""
-    from ..transport import available_transports
+    from .._discovery import available_transports
 
     state = available_transports().get(name)
     if state is None:

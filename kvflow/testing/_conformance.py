@@ -300,8 +300,8 @@ class _Suite:
             if not np.array_equal(landed(), at_return):
                 raise AssertionError(f"{what}: {int(np.count_nonzero(landed() != at_return))} block heads/tails")
             _same(dst.tensors, after, what)
-            for t in range(4):
-                got, want = dst.blocks(t)[::-1], src.blocks(t)
+            for ti in range(4):
+                got, want = dst.blocks(ti)[::-1], src.blocks(ti)
                 if not np.all((got == _SENTINEL) | (got == want)):
                     raise AssertionError("a cancelled pull wrote bytes that are not the source's")
             if heads > 0 and tails < total:  # the first bytes had landed, the last had not

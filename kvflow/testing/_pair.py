@@ -21,6 +21,7 @@ from .._datadist import LlmDataDist
 from .._proc import PeerProcess, recv_from_parent
 from .._status import LLMException
 from .._types import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, KvCacheExtParam, LlmRole
+from . import _inspect as inspect
 
 __all__ = ["KvPair", "PairConfig", "open_pair", "pattern"]
 
@@ -135,7 +136,7 @@ async def _command(dd: LlmDataDist, arrays: dict[int, list[np.ndarray]], caches:
     if op == "stats":
         return dd.stats()
     if op == "links":
-        return {cid: dd.link_info(cid).state for cid in list(dd._links)}
+        return {cid: dd.link_info(cid).state for cid in list(inspect.links(dd))}
     raise ValueError(f"unknown command {op!r}")
 
 
@@ -183,7 +184,7 @@ class KvPair:
     @property
     def transport(self) -> str | None:
         """The transport the link negotiated (None once it is gone)."""
-        link = self.dd._links.get(self.remote_cluster_id)
+        link = inspect.links(self.dd).get(self.remote_cluster_id)
         return link.transport if link is not None else None
 
     def blocks(self, arr: np.ndarray) -> np.ndarray:
@@ -205,7 +206,7 @@ class KvPair:
 
     async def remote_write(self, tensors: Sequence[Any], cache: CacheIndex | None = None) -> None:
         """Overwrite the child's cache with ``tensors`` (one buffer of ``tensor_bytes`` per tensor)."""
-        data = [bytes(memoryview(np.ascontiguousarray(t)).cast("B")) for t in tensors]
+        data = [np.ascontiguousarray(t).tobytes() for t in tensors]
         await self.call("write", (cache or self.remote).cache_id, data)
 
     async def remote_register(self, desc: CacheDesc | None = None, fill: int | None = None) -> CacheIndex:

@@ -109,7 +109,7 @@ def _pair_config(request: pytest.FixtureRequest, base: PairConfig) -> PairConfig
 def _conformance_runner() -> Callable[..., Awaitable[None]]:
     async def run(name: str, *, options: dict[str, str] | None = None, seed: int = 0,
                   timeout: float = 300.0) -> None:
-        from ..transport import available_transports
+        from .._discovery import available_transports
         from ._conformance import check_transport
 
         state = available_transports().get(name)

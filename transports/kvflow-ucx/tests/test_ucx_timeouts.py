@@ -55,11 +55,8 @@ async def _pair(tls: str) -> AsyncIterator[KvPair]:
 
 
 def _endpoint(dd: LlmDataDist, cluster_id: int) -> UcxEndpoint:
-    """The ucx endpoint of the link to ``cluster_id`` (through ``kvflow.testing.inspect`` where the
-    core has it)."""
-    inspect = getattr(kvflow.testing, "inspect", None)
-    link = inspect.link(dd, cluster_id) if inspect is not None else dd._links[cluster_id]  # type: ignore[attr-defined]
-    endpoint = link.endpoint
+    """The ucx endpoint of the link to ``cluster_id``."""
+    endpoint = kvflow.testing.inspect.link(dd, cluster_id).endpoint
     assert isinstance(endpoint, UcxEndpoint), endpoint
     return endpoint
 

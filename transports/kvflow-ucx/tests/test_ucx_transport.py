@@ -25,11 +25,12 @@ from kvflow import (
     LlmRole,
     LLMTimeoutError,
     Placement,
+    available_transports,
 )
 from kvflow._compat import timeout as timeout_after
+from kvflow._discovery import load_transport
 from kvflow._proc import PeerProcess
-from kvflow.testing import check_transport
-from kvflow.transport import available_transports, load_transport
+from kvflow.testing import check_transport, inspect
 from ucx_testlib import TLS_PARAMS, datadist_peer, proc_cpu_seconds, requires_ucx
 
 from kvflow_ucx import UcxTransport
@@ -144,7 +145,7 @@ async def _check_lanes(tls: str, lane: str) -> None:
         cb = await b.register_kv_cache(desc, dst)
         await b.pull_kv_blocks(CacheIndex(1, ca.cache_id), cb, [0, 1, 2, 3], [0, 1, 2, 3])
         assert np.array_equal(src[0], dst[0])
-        info = b._links[1].endpoint.info()  # type: ignore[union-attr]
+        info = inspect.link(b, 1).endpoint.info()  # type: ignore[union-attr]
         assert lane in info, info
 
 
@@ -217,7 +218,7 @@ async def test_peer_killed_mid_transfer_fails_within_the_deadline(tls: str) -> N
                 ci = CacheIndex(1, info["cache_id"])
                 blocks = list(range(shape[0]))
                 await dd.pull_kv_blocks(ci, cache, blocks, blocks[::-1])  # wired up and working
-                endpoint = dd._links[1].endpoint
+                endpoint = inspect.link(dd, 1).endpoint
 
                 async def pull_forever() -> None:
                     while True:
@@ -260,7 +261,7 @@ async def test_idle_linked_pair_uses_no_cpu(tls: str) -> None:
                 cache = await dd.register_kv_cache(desc, zeros)
                 every = list(range(16))
                 await dd.pull_kv_blocks(CacheIndex(1, info["cache_id"]), cache, every, every)
-                transport = dd._transports["ucx"]
+                transport = inspect.transport(dd, "ucx")
                 await asyncio.sleep(0.5)
                 # both workers: ours (our endpoints) and the target (peers' endpoints to us)
                 progress = (transport._progress, transport._target_progress)  # type: ignore[attr-defined]

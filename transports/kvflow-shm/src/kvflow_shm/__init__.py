@@ -405,7 +405,7 @@ class ShmEndpoint(Endpoint):
             self._closed = exc if isinstance(exc, LLMException) else LLMLinkFailed(str(exc) or type(exc).__name__)
         for op in self._inflight:
             op.stop.set()
-        if self._watching:  # the pidfd stays open until close(): peer_exited() still needs it
+        if self._watching and self._pidfd is not None:  # the pidfd stays open until close(): peer_exited()
             with contextlib.suppress(RuntimeError, ValueError):  # the loop is already closed
                 self._loop.remove_reader(self._pidfd)
             self._watching = False

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from kvflow._proc import stop_child
+from kvflow.transport import stop_child
 
 from . import _lowlevel as ll
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from kvflow._status import (
+from kvflow import (
     LLMException,
     LLMFailed,
     LLMFeatureNotEnabled,
@@ -73,7 +73,7 @@ def _import_native() -> Any:
         raise ImportError("kvflow-ucx was built against libucx-cu12, which is not installed "
                           "(pip install libucx-cu12, or rebuild with KVFLOW_UCX_PREFIX)")
     try:
-        from . import _native as mod
+        from . import _native as mod  # type: ignore[attr-defined,unused-ignore]  # built by cffi
     except ModuleNotFoundError as exc:
         if exc.name == f"{__package__}._native":
             raise ImportError(

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
-from kvflow._status import LLMException, LLMKvCacheNotExist, LLMLinkFailed, LLMParamInvalid
-from kvflow._types import Placement
+from kvflow import LLMException, LLMKvCacheNotExist, LLMLinkFailed, LLMParamInvalid, Placement
 from kvflow.transport import Endpoint, LinkChannel, LocalCache, RemoteCache, RunBatch, Transport
 
 from . import _lowlevel as ll
@@ -341,7 +340,9 @@ class UcxEndpoint(Endpoint):
         self._gen = 0
         self.resets = 0
         self._channel = channel
-        self._progress = transport._progress
+        progress = transport._progress
+        assert progress is not None  # connect() binds the loop first
+        self._progress: _Progress = progress
         self._dead: BaseException | None = None
         self._inflight: set[asyncio.Future[None]] = set()
         self._keys: list[_RemoteKeys] = []

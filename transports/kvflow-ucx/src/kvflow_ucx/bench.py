@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from kvflow._proc import stop_child
+from kvflow.transport import stop_child
 
 from . import _lowlevel as ll
 from ._transport import _ucx_config
@@ -157,18 +157,11 @@ def raw_get(nbytes: int, block_size: int, *, repeat: int = 3, op: str = "pull",
 
 
 def _main() -> None:  # pragma: no cover - manual table
-    import argparse
+    """``python -m kvflow_ucx.bench [--size-mib N] [--repeat N]``: ``kvflow bench --transport ucx``."""
+    import sys
 
-    from kvflow._bench import format_rows, main_bench
-
-    ap = argparse.ArgumentParser(description="kvflow bench --transport ucx: kvflow beside raw UCX")
-    ap.add_argument("--size-mib", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    print(f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}; {args.size_mib} MiB per transfer; "
-          f"best of {args.repeat} after a warm-up; ratio: kvflow / raw (throughput), raw / kvflow (latency)")
-    for row in format_rows(main_bench(["ucx"], args.size_mib << 20, args.repeat)):
-        print(" | ".join(row))
+    print(f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}", flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "kvflow", "bench", "--transport", "ucx", *sys.argv[1:]])
 
 
 if __name__ == "__main__":  # pragma: no cover

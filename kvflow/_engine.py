@@ -1,0 +1,162 @@
+"""The transfer engine: one way to run a batch of runs against a peer's cache, for the API calls
+(pull/push of blocks or slots) and for ``CacheTask`` (layer-wise push).
+
+A batch runs once: find the peer's cache (looked up once per link), plan, pin the local cache,
+arm the deadline, mark the remote cache in use, move, count it in ``stats()``; a peer cache that
+vanished is forgotten. Small batches that a transport can move on the spot skip the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Protocol
+
+from ._checks import MAX_TIMEOUT_MS, check_int
+from ._deadline import Deadline
+from ._link import Link
+from ._links import LinkTable
+from ._memory import LocalCache, Registry
+from ._metrics import Metrics
+from ._metrics import now as metrics_now
+from ._plan import Plan
+from ._status import LLMKvCacheNotExist, LLMTimeoutError
+from ._types import CacheIndex
+from .transport import RemoteCache, RunBatch
+
+PULL, PUSH = "pull", "push"
+Planner = Callable[[RemoteCache], Plan]
+
+
+class RunningTask(Protocol):
+    """A layer-wise task the engine holds while it runs (``_layerwise.CacheTask``)."""
+
+    def _abort(self, reason: str) -> None: ...
+
+
+class TransferEngine:
+    """Runs transfers over the links of ``table``; owns the running layer-wise tasks."""
+
+    def __init__(self, table: LinkTable, registry: Registry, metrics: Metrics) -> None:
+        self._table = table
+        self._registry = registry
+        self.metrics = metrics
+        self.tasks: set[RunningTask] = set()  # running CacheTasks (the loop keeps only weak references)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def sync_wait_s(self) -> float:
+        """``llm.SyncKvCacheWaitTime`` in seconds: the deadline of one transfer."""
+        return self._table.local.opts.sync_wait_ms / 1000
+
+    def deadline(self, timeout_in_millis: int | None) -> float:
+        """Seconds a transfer may take: ``timeout_in_millis`` if given, else ``llm.SyncKvCacheWaitTime``."""
+        if timeout_in_millis is None:
+            return self.sync_wait_s
+        return check_int("timeout_in_millis", timeout_in_millis, 1, MAX_TIMEOUT_MS) / 1000
+
+    async def run(self, direction: str, ci: CacheIndex, local: LocalCache, planner: Planner,
+                  timeout_in_millis: int | None, precheck: Callable[[], None]) -> None:
+        """Plan against the peer's cache and move the batch within the deadline, counted in ``stats()``.
+
+        ``precheck`` holds the checks that need only the local cache; they run before the peer is
+        first asked for its cache (once it is known, ``planner`` checks everything)."""
+        timeout = self.deadline(timeout_in_millis)
+        metrics = self.metrics
+        span = metrics.start_span(direction, ci.cluster_id, ci.cache_id)
+        t0 = metrics_now()
+        link = self._table.links.get(ci.cluster_id)
+        try:
+            remote = link.remotes.get(ci.cache_id) if link is not None else None
+            batch = None
+            if remote is not None:
+                assert link is not None
+                endpoint = link.check()
+                batch = planner(remote).batch(local, remote)
+                # no pin/begin needed: nothing (an unregister, a peer's "gone") runs during this call
+                if endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch):
+                    metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+                    return
+            else:
+                precheck()
+                link = self._table.get(ci.cluster_id)
+            batch = await self._move(direction, ci, link, local, remote, batch, planner, timeout)
+        except BaseException as exc:
+            metrics.failed(direction, ci.cluster_id, self._table.links.get(ci.cluster_id), exc, metrics_now() - t0,
+                           span)
+            raise
+        metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+
+    async def _move(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache | None,
+                    batch: RunBatch | None, planner: Planner | None, timeout: float) -> RunBatch:
+        """Pin, arm the deadline, look the peer's cache up and plan if need be, move, unpin."""
+        local.pin()
+        deadline = Deadline(timeout)
+        try:
+            if remote is None:
+                remote = await link.remote_cache(ci.cache_id, timeout)
+            if batch is None:
+                assert planner is not None
+                batch = planner(remote).batch(local, remote)
+            endpoint = link.check()
+            remote.begin()
+            try:
+                if direction is PULL:
+                    await endpoint.read(batch)
+                else:
+                    await endpoint.write(batch)
+            finally:
+                remote.end()
+            return batch
+        except asyncio.CancelledError:
+            if deadline.stop():
+                raise LLMTimeoutError(
+                    f"{direction} with cluster {ci.cluster_id} cache {ci.cache_id} did not finish within "
+                    f"{timeout * 1000:.0f} ms") from None
+            raise
+        except LLMKvCacheNotExist:
+            link.forget(ci.cache_id)
+            raise
+        finally:
+            deadline.stop()
+            local.unpin()
+
+    # ------------------------------------------------------------------ for CacheTask
+    async def target(self, ci: CacheIndex, planner: Planner, timeout: float) -> tuple[Link, RemoteCache, Plan]:
+        """Look up the peer's cache and plan every layer of one ``transfer_cache_async`` config."""
+        link = self._table.get(ci.cluster_id)
+        if timeout <= 0:
+            raise LLMTimeoutError(f"no time left to look up cache {ci.cache_id} on cluster {ci.cluster_id}")
+        deadline = Deadline(timeout)
+        try:
+            remote = await link.remote_cache(ci.cache_id, timeout)
+        except asyncio.CancelledError:
+            if deadline.stop():
+                raise LLMTimeoutError(f"cluster {ci.cluster_id} did not describe cache {ci.cache_id} within "
+                                      f"{timeout * 1000:.0f} ms") from None
+            raise
+        finally:
+            deadline.stop()
+        return link, remote, planner(remote)
+
+    async def push_runs(self, link: Link, ci: CacheIndex, local: LocalCache, remote: RemoteCache, batch: RunBatch,
+                        timeout: float) -> None:
+        """Push some planned runs of a ``transfer_cache_async`` config, counted in ``stats()`` as a push."""
+        metrics = self.metrics
+        span = metrics.start_span(PUSH, ci.cluster_id, ci.cache_id)
+        t0 = metrics_now()
+        try:
+            if local.closing or self._registry.lookup(local.cache_id) is not local:
+                raise LLMKvCacheNotExist(f"cache {local.cache_id} was unregistered during the transfer")
+            if link.remotes.get(ci.cache_id) is not remote:
+                raise LLMKvCacheNotExist(f"cache {ci.cache_id} on cluster {ci.cluster_id} was unregistered "
+                                         "during the transfer")
+            link.check()
+            await self._move(PUSH, ci, link, local, remote, batch, None, timeout)
+        except BaseException as exc:
+            metrics.failed(PUSH, ci.cluster_id, link, exc, metrics_now() - t0, span)
+            raise
+        metrics.done(PUSH, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+
+    def abort_tasks(self, reason: str) -> None:
+        """Stop every running layer-wise task (at finalize), as ``cancel()`` does."""
+        for task in list(self.tasks):
+            task._abort(reason)
