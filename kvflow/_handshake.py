@@ -321,7 +321,12 @@ async def _connect_beside(session: Session, t: Transport, info: Mapping[str, Any
         connecting.cancel()
         report.cancel()
         raise
-    _, rep = report.result()  # a protocol error or a closed connection ends the handshake
+    if report.cancelled() or report.exception() is not None:  # the handshake ends: drop what we opened
+        if not connecting.cancelled() and connecting.exception() is None:
+            opened = connecting.result()
+            opened.abort(LLMLinkFailed("link not completed"))
+            await close_quietly(opened)
+    _, rep = report.result()  # re-raises the protocol error or the closed connection
     endpoint: Endpoint | None = None
     why = ""
     if connecting.cancelled():

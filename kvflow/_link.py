@@ -278,6 +278,8 @@ class Link:
                 return await asyncio.shield(task)
             except LLMTimeoutError:
                 # a lookup started by a caller with an earlier deadline timed out: ours is not spent yet
+                if self._lookups.get(cache_id) is task:
+                    del self._lookups[cache_id]
                 if not joined or deadline - self._loop.time() < 0.001:
                     raise
 

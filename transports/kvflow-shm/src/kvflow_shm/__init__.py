@@ -188,6 +188,9 @@ class _Rendezvous:
                 sock.close()
                 return
             await self._loop.sock_sendall(sock, self._proof(binding))
+            if fut.done():  # the link gave up meanwhile
+                sock.close()
+                return
             fut.set_result(sock)
         except (OSError, TimeoutError, LLMException):
             sock.close()
