@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import re
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import traceback
@@ -49,6 +47,8 @@ from kvflow.compat.llm_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+
+from ._docblocks import python_blocks, run_as_script
 
 CTX = mp.get_context("spawn")
 LOCAL_IP = "127.0.0.1"
@@ -864,17 +864,12 @@ def test_cluster_ids_span_uint64() -> None:
 
 
 def _doc_blocks() -> list[Any]:
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "docs" / "compat.md").read_text()
-    return [pytest.param(code, id=f"block{i}") for i, code in enumerate(re.findall(r"```python\n(.*?)```", text, re.S))]
+    return [pytest.param(code, id=f"block{i}") for i, code in enumerate(python_blocks("docs/compat.md"))]
 
 
 @pytest.mark.parametrize("code", _doc_blocks())
 def test_docs_examples_run_as_written(code: str, tmp_path: Any) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = run_as_script(code, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
 
 

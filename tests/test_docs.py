@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from ._docblocks import python_blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,10 +63,6 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert not [label for label in labels if "(" in label], labels
 
 
-def _python_blocks(page: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / page).read_text(), re.S | re.M)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,7 +80,7 @@ def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
 def test_two_process_example_runs(page: str, tmp_path: Path) -> None:
     """The page's example, as written but for the port, as the prefill and the decode process: decode
     pulls and checks the bytes, and prefill, which serves on a free loop, stops cleanly on SIGINT."""
-    blocks = [b for b in _python_blocks(page) if "async def prefill" in b and "async def decode" in b]
+    blocks = [b for b in python_blocks(page) if "async def prefill" in b and "async def decode" in b]
     assert len(blocks) == 1, f"{page}: expected one example with both sides, found {len(blocks)}"
     assert "26000" in blocks[0], "the example has one port to change"
     assert not re.search(r"^\s*\.\.\.", blocks[0], re.M), "the example is complete: no '...' statement"

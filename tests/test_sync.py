@@ -14,10 +14,7 @@ import functools
 import gc
 import inspect
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +48,7 @@ from kvflow import (
 from kvflow.testing import pattern
 
 from . import test_api_transfers as api_suite
+from ._docblocks import python_blocks, run_as_script
 from .conftest import DESC, LOCAL_CLUSTER, PEER_CLUSTER, Pair, Peer, _api_transports, blocks, start_peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -580,16 +578,12 @@ def test_same_methods_and_signatures_as_the_async_api() -> None:
 
 # ---------------------------------------------------------------------- docs and bench
 def _doc_blocks() -> list[Any]:
-    text = (ROOT / "docs" / "sync.md").read_text()
-    found = re.findall(r"```python\n(.*?)```", text, re.S)
-    return [pytest.param(code, id=f"block{i}") for i, code in enumerate(found)]
+    return [pytest.param(code, id=f"block{i}") for i, code in enumerate(python_blocks("docs/sync.md"))]
 
 
 @pytest.mark.parametrize("code", _doc_blocks())
 def test_docs_examples_run_as_written(code: str, tmp_path: Path) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = run_as_script(code, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
