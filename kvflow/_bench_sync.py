@@ -4,9 +4,10 @@ A peer process serves a cache of 4 KiB blocks (the ``kvflow bench`` server). Thi
 block at a time, ``n`` times, through :class:`kvflow.LlmDataDist` awaited on an event loop (async)
 and through :class:`kvflow.sync.LlmDataDist` called from a plain thread (sync), in alternating rounds
 so that both see the same state of the machine, and reports the p50 and p99 of each and the
-difference of the p50s: the facade's overhead. Beside them, its floor: the same blocking call path
-with a coroutine that does nothing (no-op), and a bare round trip to the facade's loop thread with
-no kvflow code (``call_soon_threadsafe`` of a lock's release): the two thread hand-offs alone.
+difference of the p50s: the facade's overhead. Over shm the sync pulls take the caller-thread fast
+path. Beside them, the path of every other call: the same blocking call path with a coroutine that
+does nothing (no-op), and a bare round trip to the facade's loop thread with no kvflow code
+(``call_soon_threadsafe`` of a lock's release): the two thread hand-offs alone.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from ._checks import blocks_precheck, cache_precheck, check_clusters, check_inde
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
 from ._discovery import load_transport
-from ._engine import PULL, PUSH, TransferEngine
+from ._engine import PULL, PUSH, Request, TransferEngine
+from ._guard import GUARD
 from ._layerwise import CacheTask, LayerSynchronizer, TransferConfig, start_transfer
 from ._links import LinkInfo, LinkTable, LocalSide
 from ._listener import Listener
@@ -190,7 +191,8 @@ class LlmDataDist:
         local = self._registry.get_any(cache_id)
         if local is None or local.closing:
             return
-        local.closing = True  # new peer requests now get LLM_KV_CACHE_NOT_EXIST
+        with GUARD:  # a copy on a caller's thread that uses it has ended; none starts from now on
+            local.closing = True  # new peer requests now get LLM_KV_CACHE_NOT_EXIST
         timeout = self._engine.deadline(timeout_in_millis)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -209,7 +211,8 @@ class LlmDataDist:
                     f"cache {cache_id} is still reachable by {names}; its link was broken and the cache stays "
                     "registered: do not free the memory (unregister again once that peer has exited)")
         except BaseException:
-            local.closing = False  # not unregistered: the cache stays usable
+            with GUARD:
+                local.closing = False  # not unregistered: the cache stays usable
             local.idle = None
             raise
         self._table.forget_cache(cache_id)
@@ -297,6 +300,33 @@ class LlmDataDist:
                             size: int = -1, ext_param: KvCacheExtParam | None = None, *,
                             timeout_in_millis: int | None = None) -> None:
         """Copy a peer's batch slot ``src_cache_index.batch_index`` into local slot ``batch_index``."""
+        await self._engine.run(self._pull_cache(src_cache_index, dst_cache, batch_index, size, ext_param),
+                               timeout_in_millis)
+
+    async def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
+                             dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
+                             timeout_in_millis: int | None = None) -> None:
+        """Copy the peer's ``src_blocks`` into local ``dst_blocks`` (pairwise)."""
+        await self._engine.run(self._pull_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param),
+                               timeout_in_millis)
+
+    async def push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
+                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
+                            timeout_in_millis: int | None = None) -> None:
+        """Copy local slot ``src_batch_index`` into the peer's slot ``dst_cache_index.batch_index``."""
+        await self._engine.run(self._push_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param),
+                               timeout_in_millis)
+
+    async def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
+                             dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
+                             timeout_in_millis: int | None = None) -> None:
+        """Copy local ``src_blocks`` into the peer's ``dst_blocks`` (pairwise)."""
+        await self._engine.run(self._push_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param),
+                               timeout_in_millis)
+
+    # The four requests, checked as far as local state allows (shared with kvflow.sync's fast path).
+    def _pull_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int, size: int,
+                    ext_param: KvCacheExtParam | None) -> Request:
         self._ready()
         local = self._local(dst_cache, "dst_cache")
         ci = check_index(src_cache_index, blocks=False)
@@ -305,13 +335,11 @@ class LlmDataDist:
             return plan_cache(remote.desc, remote.addrs, ci.batch_index, local.desc, local.addrs,
                               batch_index, size, ext_param, False)
 
-        await self._engine.run(PULL, ci, local, plan, timeout_in_millis,
-                             lambda: cache_precheck(local.desc, batch_index, size, ext_param, False))
+        return Request(PULL, ci, local, plan,
+                       lambda: cache_precheck(local.desc, batch_index, size, ext_param, False))
 
-    async def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
-                             dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
-                             timeout_in_millis: int | None = None) -> None:
-        """Copy the peer's ``src_blocks`` into local ``dst_blocks`` (pairwise)."""
+    def _pull_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
+                     dst_blocks: BlockList, ext_param: KvCacheExtParam | None) -> Request:
         self._ready()
         local = self._local(dst_cache, "dst_cache")
         ci = check_index(src_cache_index, blocks=True)
@@ -320,13 +348,11 @@ class LlmDataDist:
             return plan_blocks(remote.desc, remote.addrs, local.desc, local.addrs, src_blocks, dst_blocks,
                                ext_param, False)
 
-        await self._engine.run(PULL, ci, local, plan, timeout_in_millis,
-                             lambda: blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
+        return Request(PULL, ci, local, plan,
+                       lambda: blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
 
-    async def push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
-                            size: int = -1, ext_param: KvCacheExtParam | None = None, *,
-                            timeout_in_millis: int | None = None) -> None:
-        """Copy local slot ``src_batch_index`` into the peer's slot ``dst_cache_index.batch_index``."""
+    def _push_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int, size: int,
+                    ext_param: KvCacheExtParam | None) -> Request:
         self._ready()
         local = self._local(src_cache, "src_cache")
         ci = check_index(dst_cache_index, blocks=False)
@@ -335,13 +361,11 @@ class LlmDataDist:
             return plan_cache(local.desc, local.addrs, src_batch_index, remote.desc, remote.addrs,
                               ci.batch_index, size, ext_param)
 
-        await self._engine.run(PUSH, ci, local, plan, timeout_in_millis,
-                             lambda: cache_precheck(local.desc, src_batch_index, size, ext_param, True))
+        return Request(PUSH, ci, local, plan,
+                       lambda: cache_precheck(local.desc, src_batch_index, size, ext_param, True))
 
-    async def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
-                             dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
-                             timeout_in_millis: int | None = None) -> None:
-        """Copy local ``src_blocks`` into the peer's ``dst_blocks`` (pairwise)."""
+    def _push_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
+                     dst_blocks: BlockList, ext_param: KvCacheExtParam | None) -> Request:
         self._ready()
         local = self._local(src_cache, "src_cache")
         ci = check_index(dst_cache_index, blocks=True)
@@ -350,8 +374,8 @@ class LlmDataDist:
             return plan_blocks(local.desc, local.addrs, remote.desc, remote.addrs, src_blocks, dst_blocks,
                                ext_param)
 
-        await self._engine.run(PUSH, ci, local, plan, timeout_in_millis,
-                             lambda: blocks_precheck(local.desc, src_blocks, dst_blocks, ext_param, True))
+        return Request(PUSH, ci, local, plan,
+                       lambda: blocks_precheck(local.desc, src_blocks, dst_blocks, ext_param, True))
 
     # ------------------------------------------------------------------ layer-wise push
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,

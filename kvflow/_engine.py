@@ -8,10 +8,11 @@ vanished is forgotten. Small batches that a transport can move on the spot skip 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from ._checks import MAX_TIMEOUT_MS, check_int
 from ._deadline import Deadline
+from ._guard import GUARD
 from ._link import Link
 from ._links import LinkTable
 from ._memory import LocalCache, Registry
@@ -24,6 +25,19 @@ from .transport import RemoteCache, RunBatch
 
 PULL, PUSH = "pull", "push"
 Planner = Callable[[RemoteCache], Plan]
+
+
+class Request(NamedTuple):
+    """One pull or push of blocks or slots, checked as far as local state allows.
+
+    ``precheck`` holds the checks that need only the local cache; they run before the peer is first
+    asked for its cache (once it is known, ``planner`` checks everything)."""
+
+    direction: str
+    ci: CacheIndex
+    local: LocalCache
+    planner: Planner
+    precheck: Callable[[], None]
 
 
 class RunningTask(Protocol):
@@ -53,12 +67,9 @@ class TransferEngine:
             return self.sync_wait_s
         return check_int("timeout_in_millis", timeout_in_millis, 1, MAX_TIMEOUT_MS) / 1000
 
-    async def run(self, direction: str, ci: CacheIndex, local: LocalCache, planner: Planner,
-                  timeout_in_millis: int | None, precheck: Callable[[], None]) -> None:
-        """Plan against the peer's cache and move the batch within the deadline, counted in ``stats()``.
-
-        ``precheck`` holds the checks that need only the local cache; they run before the peer is
-        first asked for its cache (once it is known, ``planner`` checks everything)."""
+    async def run(self, req: Request, timeout_in_millis: int | None) -> None:
+        """Plan against the peer's cache and move the batch within the deadline, counted in ``stats()``."""
+        direction, ci, local, planner, precheck = req
         timeout = self.deadline(timeout_in_millis)
         metrics = self.metrics
         span = metrics.start_span(direction, ci.cluster_id, ci.cache_id)
@@ -84,6 +95,37 @@ class TransferEngine:
                            span)
             raise
         metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+
+    def run_now(self, req: Request) -> bool:
+        """On a caller's own thread (``kvflow.sync``): move the batch at once and return True when the
+        link's endpoint can do so from any thread, the peer's cache is already known, the batch is
+        small enough and no trace span is wanted; else move nothing and return False (then ``run``
+        it on the loop). Raises what ``run`` would raise for a bad request or a broken link.
+
+        The copy holds ``GUARD`` from its last check to its end: an unregister, a peer's "gone", an
+        unlink or a broken link wait for it on the loop thread, and one that came first is seen."""
+        direction, ci, local, planner, _ = req
+        link = self._table.links.get(ci.cluster_id)
+        remote = link.remotes.get(ci.cache_id) if link is not None else None
+        if link is None or remote is None or link.endpoint is None or not link.endpoint.now_threadsafe:
+            return False
+        metrics = self.metrics
+        if metrics.tracing:
+            return False
+        t0 = metrics_now()
+        try:
+            batch = planner(remote).batch(local, remote)
+            with GUARD:
+                if link.closing or local.closing or link.remotes.get(ci.cache_id) is not remote:
+                    return False
+                endpoint = link.check()
+                if not (endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch)):
+                    return False
+        except BaseException as exc:
+            metrics.failed(direction, ci.cluster_id, link, exc, metrics_now() - t0, None)
+            raise
+        metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, None)
+        return True
 
     async def _move(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache | None,
                     batch: RunBatch | None, planner: Planner | None, timeout: float) -> RunBatch:

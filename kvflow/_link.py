@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
+from ._guard import GUARD
 from ._status import (
     LLMException,
     LLMKvCacheNotExist,
@@ -123,7 +124,17 @@ class Link:
         self._lookups: dict[int, asyncio.Future[RemoteCache]] = {}
         self._serving = 0
         self.on_closed: Callable[[Link], None] | None = None
-        self.closing = False  # set while unlinking: the peer's hang-up is expected
+        self._closing = False
+
+    @property
+    def closing(self) -> bool:
+        """Set while unlinking: the peer's hang-up is expected, and no copy starts on a caller's thread."""
+        return self._closing
+
+    @closing.setter
+    def closing(self, value: bool) -> None:
+        with GUARD:
+            self._closing = value
 
     def __repr__(self) -> str:
         return f"<Link cluster={self.remote_cluster_id} {self.transport} {self.state.value}>"
@@ -319,7 +330,8 @@ class Link:
         return RemoteCache(self.remote_cluster_id, cache_id, desc, regions)
 
     def forget(self, cache_id: int) -> RemoteCache | None:
-        return self.remotes.pop(cache_id, None)
+        with GUARD:  # a copy on a caller's thread that still uses it has ended
+            return self.remotes.pop(cache_id, None)
 
     async def drain_remote(self, remote: RemoteCache, budget: float) -> None:
         """Return once no operation of ours can touch ``remote``'s memory, within ``budget`` seconds.
@@ -382,7 +394,8 @@ class Link:
             log.debug("link to cluster %d closed by the peer: %s", self.remote_cluster_id, exc)
             self.close(str(exc))
             return
-        self.state = LinkState.BROKEN  # on_closed logs the structured link_down line
+        with GUARD:
+            self.state = LinkState.BROKEN  # on_closed logs the structured link_down line
         self.error = exc
         self._shutdown(exc)
 
@@ -391,7 +404,8 @@ class Link:
         if self.state is LinkState.CLOSED:
             return
         was_broken = self.state is LinkState.BROKEN
-        self.state = LinkState.CLOSED
+        with GUARD:
+            self.state = LinkState.CLOSED
         if not was_broken:
             self._shutdown(LLMLinkFailed(f"link to cluster {self.remote_cluster_id}: {reason}"))
 

@@ -302,9 +302,9 @@ class LinkTable:
             await self._quiesce_retired(link.remote_cluster_id, budget_s)
             return {}
         if op == "bye":
+            link.closing = True  # from here on no copy starts on a caller's thread (kvflow.sync)
             await link.quiesce(1.0)  # answered only once none of our operations can touch the peer's memory
             self._ungrant(link)
-            link.closing = True
             if self.links.get(link.remote_cluster_id) is link:
                 del self.links[link.remote_cluster_id]
             # the peer hangs up once it has our answer; its hang-up then closes this side quietly

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import weakref
 from bisect import bisect_left
@@ -127,6 +128,13 @@ class OpStats:
         self.errors: dict[str, int] = {}
         self.latency = Histogram(LATENCY_BUCKETS)
 
+    def copy(self) -> OpStats:
+        c = OpStats()
+        c.transfers, c.bytes, c.runs, c.errors = self.transfers, self.bytes, self.runs, dict(self.errors)
+        c.latency.counts[:] = self.latency.counts
+        c.latency.sum = self.latency.sum
+        return c
+
     def snapshot(self) -> dict[str, Any]:
         return {"transfers": self.transfers, "bytes": self.bytes, "runs": self.runs,
                 "errors": dict(self.errors), "latency": self.latency.snapshot()}
@@ -152,6 +160,7 @@ class Metrics:
         self.links_up: dict[int, tuple[str, float]] = {}  # peer -> (transport, time.time() it came up)
         self.exposed = Histogram(EXPOSED_BUCKETS)
         self.layers = 0
+        self._lock = threading.Lock()  # transfers are also counted from kvflow.sync callers' threads
         _LIVE.add(self)
         if _ot is not None:
             _ot.get_tracer_provider()  # lets OTEL_PYTHON_TRACER_PROVIDER install its provider now
@@ -168,18 +177,19 @@ class Metrics:
     def done(self, op: str, peer: int, transport: str, batch: RunBatch, seconds: float, span: Any) -> None:
         """A transfer finished: count its bytes and runs, observe its latency."""
         key = (peer, transport, op)
-        s = self.series.get(key)
-        if s is None:
-            s = self.series[key] = OpStats()
         table = batch.table
         runs = table.shape[1]
         nbytes = table.item(2, 0) if runs == 1 else int(table[2].sum())  # numpy's sum costs ~1 us
-        s.transfers += 1
-        s.bytes += nbytes
-        s.runs += runs
-        h = s.latency
-        h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        h.sum += seconds
+        with self._lock:
+            s = self.series.get(key)
+            if s is None:
+                s = self.series[key] = OpStats()
+            s.transfers += 1
+            s.bytes += nbytes
+            s.runs += runs
+            h = s.latency
+            h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            h.sum += seconds
         if span is not None:
             span.set_attribute("kvflow.bytes", nbytes)
             span.set_attribute("kvflow.runs", runs)
@@ -190,11 +200,12 @@ class Metrics:
         """A transfer raised ``exc``: count it under its status, log it, close its span."""
         transport = link.transport if link is not None else ""
         key = (peer, transport, op)
-        s = self.series.get(key)
-        if s is None:
-            s = self.series[key] = OpStats()
         name = status_name(exc)
-        s.errors[name] = s.errors.get(name, 0) + 1
+        with self._lock:
+            s = self.series.get(key)
+            if s is None:
+                s = self.series[key] = OpStats()
+            s.errors[name] = s.errors.get(name, 0) + 1
         if span is not None:
             span.set_attribute("kvflow.status", name)
             span.record_exception(exc)
@@ -203,6 +214,11 @@ class Metrics:
         quiet = name in ("CANCELLED", "LLM_PARAM_INVALID", "LLM_KV_CACHE_NOT_EXIST")
         event("transfer_failed", logging.DEBUG if quiet else logging.INFO, cluster=self.cluster_id, peer=peer,
               op=op, transport=transport or "-", status=name, ms=round(seconds * 1e3, 3), error=str(exc)[:200])
+
+    @property
+    def tracing(self) -> bool:
+        """Whether transfers get trace spans (``opentelemetry-api`` and an installed provider)."""
+        return _ot is not None and _ot._TRACER_PROVIDER is not None and _tracer() is not None
 
     def start_span(self, op: str, peer: int, cache_id: int) -> Any:
         """An OpenTelemetry span for one transfer, or None (no API, or no provider installed)."""
@@ -249,7 +265,10 @@ class Metrics:
 
     # -------------------------------------------------------------- readers
     def iter_series(self) -> Iterator[tuple[int, str, str, OpStats]]:
-        for (peer, transport, op), s in list(self.series.items()):
+        """Each series as (peer, transport, op, a consistent copy of its counters)."""
+        with self._lock:
+            series = [(key, s.copy()) for key, s in self.series.items()]
+        for (peer, transport, op), s in series:
             yield peer, transport, op, s
 
     def snapshot(self, link_states: dict[int, tuple[str, str]]) -> dict[str, Any]:

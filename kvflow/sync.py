@@ -22,6 +22,7 @@ from typing import Any, Callable, Coroutine, Mapping, Sequence, TypeVar
 
 from ._datadist import LinkInfo
 from ._datadist import LlmDataDist as _AsyncLlmDataDist
+from ._engine import Request
 from ._layerwise import CacheTask as _AsyncCacheTask
 from ._layerwise import LayerSynchronizer, TransferConfig
 from ._status import LLMFailed, LLMStatusCode
@@ -287,6 +288,20 @@ class LlmDataDist:
         self._schedule(what, call.start, self._loop, fn, args, kwargs)
         return call.wait(self._loop)
 
+    def _now(self, what: str, timeout_in_millis: int | None, build: Callable[..., Request], *args: Any) -> bool:
+        """The fast path of a blocking transfer: a small one-sided batch (shm) copied on this very
+        thread, with no hand-off to the loop (``TransferEngine.run_now``). False when the loop must
+        run it: the link or the peer's cache is not known yet, the batch is large, the transport
+        cannot, or this instance is closed. Bad arguments raise here, as the loop would raise them."""
+        err = _in_running_loop(what)
+        if err is not None:
+            raise err
+        if self._runner.closed:
+            return False  # _call says so
+        engine = self._dd._engine
+        engine.deadline(timeout_in_millis)  # checked as on the loop, although a copy made here has no deadline
+        return engine.run_now(build(*args))
+
     def _submit(self, what: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
                 **kwargs: Any) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -450,8 +465,9 @@ class LlmDataDist:
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0, size: int = -1,
                       ext_param: KvCacheExtParam | None = None, *, timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.pull_kv_cache`."""
-        self._call("pull_kv_cache", self._dd.pull_kv_cache, src_cache_index, dst_cache, batch_index, size,
-                   ext_param, timeout_in_millis=timeout_in_millis)
+        args = (src_cache_index, dst_cache, batch_index, size, ext_param)
+        if not self._now("pull_kv_cache", timeout_in_millis, self._dd._pull_cache, *args):
+            self._call("pull_kv_cache", self._dd.pull_kv_cache, *args, timeout_in_millis=timeout_in_millis)
 
     def submit_pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None, *,
@@ -464,8 +480,9 @@ class LlmDataDist:
                        dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                        timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.pull_kv_blocks`."""
-        self._call("pull_kv_blocks", self._dd.pull_kv_blocks, src_cache_index, dst_cache, src_blocks,
-                   dst_blocks, ext_param, timeout_in_millis=timeout_in_millis)
+        args = (src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
+        if not self._now("pull_kv_blocks", timeout_in_millis, self._dd._pull_blocks, *args):
+            self._call("pull_kv_blocks", self._dd.pull_kv_blocks, *args, timeout_in_millis=timeout_in_millis)
 
     def submit_pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
                               dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
@@ -478,8 +495,9 @@ class LlmDataDist:
                       size: int = -1, ext_param: KvCacheExtParam | None = None, *,
                       timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.push_kv_cache`."""
-        self._call("push_kv_cache", self._dd.push_kv_cache, src_cache, dst_cache_index, src_batch_index, size,
-                   ext_param, timeout_in_millis=timeout_in_millis)
+        args = (src_cache, dst_cache_index, src_batch_index, size, ext_param)
+        if not self._now("push_kv_cache", timeout_in_millis, self._dd._push_cache, *args):
+            self._call("push_kv_cache", self._dd.push_kv_cache, *args, timeout_in_millis=timeout_in_millis)
 
     def submit_push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
                              size: int = -1, ext_param: KvCacheExtParam | None = None, *,
@@ -492,8 +510,9 @@ class LlmDataDist:
                        dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                        timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.push_kv_blocks`."""
-        self._call("push_kv_blocks", self._dd.push_kv_blocks, src_cache, dst_cache_index, src_blocks,
-                   dst_blocks, ext_param, timeout_in_millis=timeout_in_millis)
+        args = (src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
+        if not self._now("push_kv_blocks", timeout_in_millis, self._dd._push_blocks, *args):
+            self._call("push_kv_blocks", self._dd.push_kv_blocks, *args, timeout_in_millis=timeout_in_millis)
 
     def submit_push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
                               dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,

@@ -240,6 +240,10 @@ class Endpoint(abc.ABC):
     #: cache, the core waits for (and if need be aborts) our operations on it. False when the peer
     #: serves every request itself and checks it against its own registrations (tcp).
     one_sided: ClassVar[bool] = True
+    #: True when ``read_now`` / ``write_now`` may also be called from threads other than the event
+    #: loop's (``kvflow.sync`` callers), one at a time across the process: they must then reach the
+    #: loop only through ``call_soon_threadsafe``. The core retires nothing under such a call.
+    now_threadsafe: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def read(self, batch: RunBatch) -> None:

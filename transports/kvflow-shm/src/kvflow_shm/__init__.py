@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import struct
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -309,6 +310,8 @@ def _split(args: tuple[Any, ...], total: int, threads: int) -> list[tuple[Any, .
 class ShmEndpoint(Endpoint):
     """The data path to one peer process: every run is checked, then moved by one syscall batch."""
 
+    now_threadsafe = True  # read_now: one C call; off the loop thread it reaches the loop thread-safely
+
     def __init__(self, transport: ShmTransport, pid: int, pidfd: int | None, channel: LinkChannel) -> None:
         self._transport = transport
         self.pid = pid
@@ -320,6 +323,7 @@ class ShmEndpoint(Endpoint):
         self._watching = False
         self._exited = False
         self._out = ll.scratch()  # for copies on the loop thread
+        self._loop_thread = threading.get_ident()
         if pidfd is not None:
             try:
                 self._loop.add_reader(pidfd, self._on_peer_exit)
@@ -336,9 +340,10 @@ class ShmEndpoint(Endpoint):
         if self._closed is not None:
             raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
         t = self._transport
+        out = self._out if threading.get_ident() == self._loop_thread else ll.scratch()
         try:
             moved = ll.transfer_table(self.pid, write, batch.table, t._local_regions(batch.local_cache),
-                                      _remote_regions(batch.remote_cache), t.inline_bytes, self._out)
+                                      _remote_regions(batch.remote_cache), t.inline_bytes, out)
         except ll.RunOutOfBounds as exc:
             raise _out_of_bounds(batch, exc) from None
         except LLMLinkFailed as exc:
@@ -395,6 +400,10 @@ class ShmEndpoint(Endpoint):
             self._inflight.discard(op)
 
     def _broken(self, exc: LLMException) -> None:
+        if threading.get_ident() != self._loop_thread:  # a kvflow.sync caller's copy failed
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to fail
+                self._loop.call_soon_threadsafe(self._broken, exc)
+            return
         if self._closed is None:
             self.abort(exc)
             self._loop.call_soon(self._channel.broken, exc)
