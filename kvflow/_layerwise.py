@@ -183,7 +183,10 @@ class CacheTask:
 
     @property
     def exposed_seconds(self) -> float | None:
-        """Time from the last layer being reported ready to the end of the task (None if it never was)."""
+        """Time from the last layer becoming ready to the end of the task (None if it never was): the
+        transfer time that overlap did not hide. Ready means marked (``LayerEvents``), returned on its
+        own thread (a blocking synchronizer) or returned (a coroutine synchronizer), not the later
+        moment at which the task's loop got round to it."""
         if self.finished_at is None or not self._needed or self._needed[-1] not in self.layer_ready_at:
             return None
         return self.finished_at - self.layer_ready_at[self._needed[-1]]
@@ -264,16 +267,26 @@ class CacheTask:
         self._engine.tasks.discard(self)
         self._done.set()
 
-    async def _call_sync(self, layer: int, ms: int) -> Any:
+    async def _call_sync(self, layer: int, ms: int) -> tuple[Any, float]:
+        """The synchronizer's answer for ``layer`` and when the layer became ready: ``LayerEvents``
+        knows when it was marked; a blocking synchronizer is timed on its own thread when it
+        returns; a coroutine synchronizer when it returns on the loop."""
         fn = self._sync.synchronize_layer
         if self._sync_async:
-            return await cast("Awaitable[bool]", fn(layer, ms))
-        if self._worker is None:
-            self._worker = _Worker()
-        result = await self._worker.submit(self._loop, fn, layer, ms)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+            result = await cast("Awaitable[bool]", fn(layer, ms))
+            at = time.perf_counter()
+        else:
+            if self._worker is None:
+                self._worker = _Worker()
+            result, at = await self._worker.submit(self._loop, fn, layer, ms)
+            if inspect.isawaitable(result):
+                result = await result
+                at = time.perf_counter()
+        if isinstance(self._sync, LayerEvents) and result is True:
+            marked = self._sync.ready_at[layer] if 0 <= layer < self._sync.num_layers else None
+            if marked is not None:
+                at = min(at, marked)
+        return result, at
 
     async def _sync_loop(self) -> None:
         loop = self._loop
@@ -310,12 +323,12 @@ class CacheTask:
                     err.__cause__ = exc
                 self._sync_failed(layer, err)
                 return
-            ok = waiter.result()
+            ok, ready_at = waiter.result()
             if not ok:
                 self._sync_failed(layer, LLMFailed(
                     f"layer synchronizer returned {ok!r} for layer {layer}: it will never be ready"))
                 return
-            self.layer_ready_at[layer] = time.perf_counter()
+            self.layer_ready_at[layer] = ready_at
             self.layers_ready += 1
             for d in users:
                 if d.status is None:

@@ -136,7 +136,8 @@ def _settle(fut: asyncio.Future[bool], ok: bool, exc: BaseException | None) -> N
 
 class _Worker:
     """One daemon thread that runs a blocking synchronizer's calls, one after another. A daemon,
-    so that a synchronizer that never returns cannot hold up the interpreter's exit."""
+    so that a synchronizer that never returns cannot hold up the interpreter's exit. A call's future
+    resolves to (its value, the ``time.perf_counter()`` at which it returned on the worker thread)."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -157,7 +158,7 @@ class _Worker:
                 return
             loop, fut, fn, args = item
             try:
-                result, exc = fn(*args), None
+                result, exc = (fn(*args), time.perf_counter()), None
             except BaseException as e:  # handed to the event loop, which decides
                 result, exc = None, e
             try:

@@ -220,6 +220,43 @@ async def test_every_byte_of_every_layer_lands(peers: Any, transport: str) -> No
         assert stats["ops"]["push"]["bytes"] == 16 * len(SRC_BLOCKS) * STRIDE
 
 
+class ThreadEvents(LayerSynchronizer):
+    """A blocking synchronizer: waits (on kvflow's worker thread) for a ``threading.Event`` per layer."""
+
+    def __init__(self, layers: int) -> None:
+        self.events = [threading.Event() for _ in range(layers)]
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return self.events[layer_index].wait(WAIT)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["LayerEvents", "blocking"])
+async def test_exposed_seconds_counts_from_readiness_not_from_when_the_loop_saw_it(peers: Any, kind: str) -> None:
+    peer = peers["tcp"][0]
+    async with Prefill([peer]) as pf:
+        dst = await peer.register(16)
+        events, blocking = LayerEvents(8), ThreadEvents(8)
+
+        def mark(layer: int) -> None:
+            (events.mark_ready if kind == "LayerEvents" else lambda i: blocking.events[i].set())(layer)
+
+        sync: LayerSynchronizer = events if kind == "LayerEvents" else blocking
+        task = pf.dd.transfer_cache_async(pf.cache, sync, [TransferConfig(CacheIndex(peer.cluster, dst))],
+                                          SRC_BLOCKS, DST_BLOCKS)
+        for layer in range(7):
+            mark(layer)
+        await until(lambda: task.layers_sent == 7, "seven layers sent")
+        marked = time.perf_counter()
+        mark(7)
+        time.sleep(0.05)  # noqa: ASYNC251 - the loop is busy elsewhere: the task cannot see layer 7 before this ends
+        async with asyncio.timeout(WAIT):
+            await task
+        assert task.get_results() == [S.LLM_SUCCESS]
+        assert marked <= task.layer_ready_at[7] < marked + 0.02, task.layer_ready_at[7] - marked
+        assert task.exposed_seconds is not None and task.exposed_seconds >= 0.05
+
+
 @pytest.mark.asyncio
 async def test_no_layer_is_sent_before_it_is_ready(peers: Any) -> None:
     peer = peers["tcp"][0]
