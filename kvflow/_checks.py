@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._options import parse_address
-from ._plan import block_list, side_tensors
+from ._plan import block_list, has_duplicates, side_tensors
 from ._status import LLMClusterNumExceedLimit, LLMParamInvalid
 from ._types import CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam
 
@@ -48,7 +48,7 @@ def blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext:
     if lb.size != rb.size:
         raise LLMParamInvalid(f"src_blocks has {(lb if local_is_src else rb).size} entries, "
                               f"dst_blocks has {(rb if local_is_src else lb).size}")
-    if not local_is_src and np.unique(lb).size != lb.size:
+    if not local_is_src and has_duplicates(lb, desc.num_blocks):
         raise LLMParamInvalid("dst_blocks names a block more than once")
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, cast
 import numpy as np
 
 from ._checks import MAX_TIMEOUT_MS, blocks_precheck, cache_precheck, check_index, check_int
-from ._plan import Plan, block_list, layer_tensors, plan_blocks, plan_cache
+from ._plan import Plan, block_list, has_duplicates, layer_tensors, plan_blocks, plan_cache
 from ._status import LLMException, LLMFailed, LLMParamInvalid, LLMStatusCode, LLMTimeoutError
 from ._synchronizer import LayerEvents, LayerSynchronizer, _Worker
 from ._types import CacheDesc, CacheIndex, KvCacheExtParam, LayerRange
@@ -447,7 +447,7 @@ def start_transfer(engine: TransferEngine, local: LocalCache, synchronizer: Any,
         raise LLMParamInvalid("give both src_block_indices and dst_block_indices, or neither (whole slots)")
     if blocks:
         db = block_list(dst_block_indices, 1 << 62, "dst_block_indices")
-        if np.unique(db).size != db.size:
+        if has_duplicates(db, 1 << 62):
             raise LLMParamInvalid("dst_block_indices names a block more than once")
     if timeout_in_millis is not None:
         check_int("timeout_in_millis", timeout_in_millis, 1, MAX_TIMEOUT_MS)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow import CacheDesc, DataType, KvCacheExtParam, LLMParamInvalid
-from kvflow._plan import SMALL, coalesce, layer_tensors, plan_blocks, plan_cache
+from kvflow._plan import SMALL, coalesce, has_duplicates, layer_tensors, plan_blocks, plan_cache
 
 DESC = CacheDesc(4, DataType.DT_INT32, [8, 16])
 SRC = np.array([0x10000, 0x20000, 0x30000, 0x40000], dtype=np.uint64)
@@ -92,3 +92,9 @@ def test_whole_slot_plan_small_and_vectorised_agree() -> None:
             assert (p.src_addr - a).tolist() == [3 * 32] * tensors
             assert (p.dst_addr - b).tolist() == [32] * tensors
             assert p.src_tensor.tolist() == p.dst_tensor.tolist() == list(range(tensors))
+
+
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=300), st.sampled_from([5001, 1 << 40]))
+def test_has_duplicates_agrees_with_a_set_on_both_paths(blocks: list[int], num_blocks: int) -> None:
+    # num_blocks 5001: the per-block count; 2**40: the sort (the count would need too much memory)
+    assert has_duplicates(np.array(blocks, dtype=np.int64), num_blocks) == (len(set(blocks)) != len(blocks))
