@@ -604,30 +604,36 @@ def test_example_layerwise_push() -> None:
 
 
 def test_bench_layerwise_tiny_run(tmp_path: Path) -> None:
-    """A tiny run prints and writes one row per compute time, and exits by the documented rule
-    (docs/benchmarks.md): 1 when a row whose per-layer compute is at least one layer's transfer has its
-    exposed median over the target (1.5 x one layer alone + 2 ms), else 0. The 0 ms row is below any
-    transfer: it is reported (and usually misses the target) but never decides the exit code."""
+    """A tiny run prints and writes one row per compute time and place (a thread, the caller's loop),
+    and exits by the documented rule (docs/benchmarks.md): 1 when a row whose per-layer compute is at
+    least one layer's transfer misses its target, else 0. A thread row's target is on the exposed
+    median (1.5 x one layer alone + 2 ms), a loop row's on the total (compute alone + 1.1 x one layer
+    + 1 ms). The 0 ms rows are below any transfer: reported, but they never decide the exit code."""
     out = tmp_path / "lw.json"
     r = subprocess.run([sys.executable, "-m", "kvflow._cli", "bench-layerwise", "--transport", "tcp", "--layers", "16",
                         "--layer-mib", "1", "--compute-ms", "0,2", "--repeat", "1", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode in (0, 1), r.stdout + r.stderr  # 2 (bad arguments) or a crash: wrong either way
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["transport"], row["layers"], row["layer_mib"], row["compute_ms"]) for row in rows] == [
-        ("tcp", 16, 1.0, 0.0), ("tcp", 16, 1.0, 2.0)]
+    assert [(row["transport"], row["layers"], row["layer_mib"], row["compute_ms"], row["where"]) for row in rows] == [
+        ("tcp", 16, 1.0, 0.0, "thread"), ("tcp", 16, 1.0, 2.0, "thread"),
+        ("tcp", 16, 1.0, 0.0, "loop"), ("tcp", 16, 1.0, 2.0, "loop")]
     for row in rows:
         assert all(row[k] > 0 for k in ("layer_transfer_ms", "compute_total_ms", "serial_ms", "layerwise_ms",
                                         "exposed_ms")), row
         assert row["exposed_max_ms"] >= row["exposed_ms"]
-        assert row["target_ms"] == pytest.approx(1.5 * row["layer_transfer_ms"] + 2.0)
-        assert row["ok"] == (row["exposed_ms"] <= row["target_ms"])
+        if row["where"] == "thread":
+            assert row["target_ms"] == pytest.approx(1.5 * row["layer_transfer_ms"] + 2.0)
+            assert row["ok"] == (row["exposed_ms"] <= row["target_ms"])
+        else:
+            assert row["target_ms"] == pytest.approx(row["compute_total_ms"] + 1.1 * row["layer_transfer_ms"] + 1.0)
+            assert row["ok"] == (row["layerwise_ms"] <= row["target_ms"])
     gating = [row for row in rows if row["compute_ms"] >= row["layer_transfer_ms"]]
-    assert rows[0] not in gating
+    assert rows[0] not in gating and rows[2] not in gating
     missed = [row for row in gating if not row["ok"]]
     assert r.returncode == (1 if missed else 0), (r.returncode, missed, r.stdout)
     # the printed table has the same rows, with the same verdicts
     table = [[c.strip() for c in line.strip().strip("│").split("│")] for line in r.stdout.splitlines()
              if line.startswith("│")]
-    assert [(c[0], c[1], c[-1]) for c in table] == [
-        ("tcp", f"{row['compute_ms']:.2f}", "yes" if row["ok"] else "no") for row in rows], r.stdout
+    assert [(c[0], c[1], c[2], c[-1]) for c in table] == [
+        ("tcp", f"{row['compute_ms']:.2f}", row["where"], "yes" if row["ok"] else "no") for row in rows], r.stdout
