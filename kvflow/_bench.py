@@ -17,6 +17,7 @@ import numpy as np
 
 from ._datadist import LlmDataDist
 from ._proc import PeerProcess, recv_from_parent
+from ._ticker import Ticker
 from ._types import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmRole
 
 GiB = 1 << 30
@@ -40,6 +41,12 @@ class Row:
     raw: float
     unit: str
     baseline: str = "raw socket"
+    #: Throughput rows: GiB/s with a 1 ms ticker on both sides' loops, and each side's tick lateness (ms).
+    ticked: float | None = None
+    late_worst_ms: float | None = None
+    late_p99_ms: float | None = None
+    peer_late_worst_ms: float | None = None
+    peer_late_p99_ms: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -135,7 +142,15 @@ async def _serve(conn: Connection) -> None:
         servers[t] = dd
         conn.send({"transport": t, "address": dd.listen_address, "caches": ids})
     conn.send({"raw_port": lsock.getsockname()[1], "pid": os.getpid(), "addr": int(buf.ctypes.data)})
-    await recv_from_parent(conn)
+    ticker = Ticker()
+    while True:  # "tick" starts this loop's ticker, "tock" stops it and answers its lateness
+        msg = await recv_from_parent(conn)
+        if msg == "tick":
+            ticker.start()
+        elif msg == "tock":
+            conn.send(await ticker.stop())
+        else:
+            break
     for dd in servers.values():
         await dd.finalize()
 
@@ -145,20 +160,34 @@ def _best(samples: list[float]) -> float:
 
 
 async def _kv_throughput(dd: LlmDataDist, remote: CacheIndex, cache: Any, desc: CacheDesc, op: str,
-                         scattered: bool, repeat: int) -> float:
+                         scattered: bool, repeat: int, warm: bool = True) -> float:
     n = desc.num_blocks
     rng = np.random.default_rng(0)
     src = rng.permutation(n) if scattered else np.arange(n)
     dst = rng.permutation(n) if scattered else np.arange(n)
     times = []
-    for _ in range(repeat + 1):  # the first is a warm-up (a new connection's window, first touches)
+    for _ in range(repeat + (1 if warm else 0)):  # a warm-up first (a new connection's window, first touches)
         t0 = time.perf_counter()
         if op == "pull":
             await dd.pull_kv_blocks(remote, cache, src, dst, timeout_in_millis=120_000)
         else:
             await dd.push_kv_blocks(cache, remote, src, dst, timeout_in_millis=120_000)
         times.append(time.perf_counter() - t0)
-    return desc.tensor_bytes / _best(times[1:]) / GiB
+    return desc.tensor_bytes / _best(times[1:] if warm else times) / GiB
+
+
+async def _ticked(peer: PeerProcess, run: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``await run()`` with a 1 ms ticker on this loop and on the peer's; its value and both summaries."""
+    ticker = Ticker()
+    peer.send("tick")
+    ticker.start()
+    try:
+        value = await run()
+    finally:
+        mine = await ticker.stop()
+        peer.send("tock")
+        theirs = await peer.recv(60)
+    return value, mine, theirs
 
 
 def _raw_throughput(sock: socket.socket, buf: memoryview, nbytes: int, op: str, repeat: int) -> float:
@@ -211,13 +240,18 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                     scattered = desc.stride == BLOCK_SIZES[0]
                     ci = CacheIndex(1, info["caches"][name])
                     kv = await _kv_throughput(dd, ci, locals_[name], desc, op, scattered, repeat)
+                    # the same transfers with a 1 ms ticker on both loops: how late does kvflow make it?
+                    kt, mine, theirs = await _ticked(peer, lambda: _kv_throughput(
+                        dd, ci, locals_[name], desc, op, scattered, repeat, warm=False))  # noqa: B023 - awaited here
+                    tick = {"ticked": kt, "late_worst_ms": mine["worst_ms"], "late_p99_ms": mine["p99_ms"],
+                            "peer_late_worst_ms": theirs["worst_ms"], "peer_late_p99_ms": theirs["p99_ms"]}
                     # off the loop: a long raw run must not starve this process's heartbeats
                     rb = await asyncio.to_thread(base.throughput, desc.tensor_bytes, desc.stride, op)
                     label = f"{name} scattered" if scattered else name
-                    rows.append(Row(t, op, label, kv, rb, "GiB/s", base_name))
+                    rows.append(Row(t, op, label, kv, rb, "GiB/s", base_name, **tick))
                     if scattered and isinstance(base, _RawSocket):  # what scattering costs the kernel
                         rs = await asyncio.to_thread(base.scattered, desc.tensor_bytes, desc.stride, op)
-                        rows.append(Row(t, op, label, kv, rs, "GiB/s", "raw socket, scattered"))
+                        rows.append(Row(t, op, label, kv, rs, "GiB/s", "raw socket, scattered", **tick))
                     if progress:
                         progress(rows[-1])
             ci = CacheIndex(1, info["caches"]["lat"])
@@ -313,11 +347,25 @@ def _plugin_baseline(name: str, pid: int, remote_addr: int, buf: np.ndarray, rep
 
 
 def format_rows(rows: list[Row]) -> list[list[str]]:
+    """The table's cells: the row, then (throughput rows) GiB/s with the ticker and each side's
+    worst / p99 tick lateness in ms."""
     out = []
     for r in rows:
+        tick = ["", "", ""]
+        if r.ticked is not None:
+            tick = [f"{r.ticked:.2f}", f"{r.late_worst_ms:.2f} / {r.late_p99_ms:.2f}",
+                    f"{r.peer_late_worst_ms:.2f} / {r.peer_late_p99_ms:.2f}"]
         out.append([r.transport, r.op, r.block, f"{r.kvflow:.2f} {r.unit}", r.baseline,
-                    f"{r.raw:.2f} {r.unit}", f"{r.ratio:.2f}"])
+                    f"{r.raw:.2f} {r.unit}", f"{r.ratio:.2f}", *tick])
     return out
+
+
+async def idle_lateness(seconds: float = 1.0) -> dict[str, Any]:
+    """The ticker's lateness on this loop with nothing else to do: the floor of the machine."""
+    ticker = Ticker()
+    ticker.start()
+    await asyncio.sleep(seconds)
+    return await ticker.stop()
 
 
 def write_json(path: str, rows: list[Row], meta: dict[str, Any]) -> None:

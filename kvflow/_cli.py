@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: demo, bench, bench-layerwise, bench-sync, info."""
+"""The ``kvflow`` command: demo, bench, bench-layerwise, bench-sync, bench-links, info."""
 
 from __future__ import annotations
 
@@ -158,16 +158,25 @@ def _bench(args: argparse.Namespace) -> int:
     console.print(f"kvflow bench: transports {', '.join(names)}; {args.size_mib} MiB per transfer, "
                   f"best of {args.repeat} after a warm-up; baselines measured in the same run between the same two "
                   "processes")
+    from ._bench import idle_lateness
+    from ._run import run
+
+    idle = run(idle_lateness())
     rows = main_bench(names, total, args.repeat)
     table = Table(title="kvflow vs raw baseline (ratio: higher is better for kvflow)")
-    for col in ("transport", "op", "block", "kvflow", "baseline", "baseline figure", "ratio"):
+    for col in ("transport", "op", "block", "kvflow", "baseline", "baseline figure", "ratio", "with ticker",
+                "late ms here", "late ms peer"):
         table.add_column(col)
     for r in format_rows(rows):
         table.add_row(*r)
     console.print(table)
+    console.print(f"with ticker: GiB/s while a 1 ms ticker runs on both sides' event loops; late ms: worst / p99 "
+                  f"of its ticks on this side and the peer's. An idle loop here: {idle['worst_ms']:.2f} / "
+                  f"{idle['p99_ms']:.2f} ms")
     if args.json:
         write_json(args.json, rows, {"size_bytes": total, "repeat": args.repeat, "python": sys.version.split()[0],
-                                     "machine": platform.machine(), "cmd": " ".join(sys.argv)})
+                                     "machine": platform.machine(), "cmd": " ".join(sys.argv),
+                                     "idle_late_worst_ms": idle["worst_ms"], "idle_late_p99_ms": idle["p99_ms"]})
         console.print(f"wrote {args.json}")
     if args.plot:
         from ._plot import plot_rows
@@ -185,6 +194,12 @@ def _bench_layerwise(args: argparse.Namespace) -> int:
 
 def _bench_sync(args: argparse.Namespace) -> int:
     from ._bench_sync import cli
+
+    return cli(args)
+
+
+def _bench_links(args: argparse.Namespace) -> int:
+    from ._bench_links import cli
 
     return cli(args)
 
@@ -255,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bs)
     bs.set_defaults(fn=_bench_sync)
+    bl = add("bench-links", "a link storm to one listener, then the CPU and memory its idle links cost")
+    from ._bench_links import add_arguments as add_links_arguments
+
+    add_links_arguments(bl)
+    bl.set_defaults(fn=_bench_links)
     i = add("info", "version, event loop and every transport with ok or the reason")
     i.add_argument("--json", action="store_true", help="print the same as JSON")
     i.set_defaults(fn=_info)

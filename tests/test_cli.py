@@ -46,7 +46,7 @@ def test_demo_unknown_transport_one_line() -> None:
 def test_help_lists_every_command_and_default() -> None:
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert {"demo", "bench", "bench-layerwise", "bench-sync", "info"} <= set(commands)
+    assert {"demo", "bench", "bench-layerwise", "bench-sync", "bench-links", "info"} <= set(commands)
     r = _run(sys.executable, "-m", "kvflow._cli", "--help", timeout=60)
     assert r.returncode == 0, r.stderr
     assert "``" not in r.stdout and ":func:" not in r.stdout, r.stdout
@@ -112,6 +112,18 @@ def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
     scattered = [row for row in rows if row["baseline"] == "raw socket, scattered"]
     assert {row["op"] for row in scattered} == {"pull", "push"}
     assert all(row["block"] == "16 KiB scattered" for row in scattered)
+    # every throughput row also ran with a 1 ms ticker on both loops and says how late it fired
+    for row in rows:
+        if row["unit"] == "GiB/s":
+            assert row["ticked"] > 0, row
+            assert all(row[k] >= 0 for k in ("late_worst_ms", "late_p99_ms", "peer_late_worst_ms",
+                                              "peer_late_p99_ms")), row
+            assert row["late_worst_ms"] >= row["late_p99_ms"] and row["peer_late_worst_ms"] >= row["peer_late_p99_ms"]
+        else:
+            assert row["ticked"] is None, row
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["idle_late_worst_ms"] >= meta["idle_late_p99_ms"] >= 0
+    assert "with ticker" in r.stdout
 
 
 def test_ruff_clean() -> None:
