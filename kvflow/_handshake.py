@@ -1,6 +1,8 @@
 """The link handshake: mutual authentication, then transport negotiation, over the control connection.
 
-Message order (initiator ``C``, acceptor ``S``); ``[...]`` only with ``kvflow.AuthKey``::
+Message order (initiator ``C``, acceptor ``S``); ``[...]`` only with ``kvflow.AuthKey``. A listener
+at its bound of handshakes answers the hello with a ``reject`` of code LLM_LINK_BUSY instead (see
+``first_answer``); the dialer then tries again within its timeout::
 
     C -> S  hello      version, cluster ids, instance, nonce, transport *names* only
     [S -> C challenge  nonce]
@@ -34,7 +36,7 @@ import msgpack
 
 from . import _wire as wire
 from ._link import StreamChannel
-from ._status import LLMException, LLMLinkFailed, LLMStatusCode, error_for
+from ._status import LLMException, LLMLinkBusy, LLMLinkFailed, LLMStatusCode, error_for
 from .transport import Endpoint, Transport
 
 log = logging.getLogger("kvflow.link")
@@ -73,6 +75,7 @@ class Session:
     writer: asyncio.StreamWriter
     key: bytes | None  # derived MAC key, or None without kvflow.AuthKey
     transcript: Transcript = field(default_factory=Transcript)
+    received: int = 0  # frames received so far
 
     def send(self, msg: dict[str, Any]) -> None:
         frame = wire.pack(msg)
@@ -82,6 +85,7 @@ class Session:
     async def recv(self) -> dict[str, Any]:
         msg, body = await wire.read_frame_raw(self.reader)
         self.transcript.add(body)
+        self.received += 1
         return msg
 
     def mac(self, label: bytes, body: bytes = b"") -> bytes:
@@ -124,6 +128,28 @@ class Session:
     def reject(self, code: LLMStatusCode, message: str) -> None:
         self.writer.write(wire.pack({"t": "reject", "code": int(code), "msg": message[:500]}))
         self.writer.close()
+
+
+class ListenerBusy(LLMLinkBusy):
+    """The listener did not take our hello: it answered busy (``explicit``), or reset the connection
+    before answering. Nothing was agreed; the dialer may try again."""
+
+    def __init__(self, message: str = "", status_code: LLMStatusCode | None = None, *,
+                 explicit: bool = False) -> None:
+        super().__init__(message, status_code)
+        self.explicit = explicit
+
+
+async def first_answer(session: Session) -> dict[str, Any]:
+    """The listener's answer to our hello; ListenerBusy if it answered busy or reset the connection."""
+    try:
+        msg = await session.recv()
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+        raise ListenerBusy("the listener reset the connection before answering the hello") from None
+    code = msg.get("code")
+    if msg["t"] == "reject" and isinstance(code, int) and code == LLMStatusCode.LLM_LINK_BUSY:
+        raise ListenerBusy(str(msg.get("msg", ""))[:200] or "listener busy", explicit=True)
+    return msg
 
 
 def rejected(msg: Mapping[str, Any]) -> LLMException:
@@ -173,7 +199,7 @@ async def dial(session: Session, *, cluster_id: int, expect: int, instance: str,
                   "instance": instance, "auth": session.key is not None, "cnonce": cnonce,
                   "transports": list(transports)})
     before = session.transcript.digest()
-    msg = await session.recv()
+    msg = await first_answer(session)
     if msg["t"] == "challenge":
         if session.key is None:
             raise LLMLinkFailed(f"cluster {expect} requires authentication: set the same kvflow.AuthKey "

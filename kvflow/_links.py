@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -13,7 +14,6 @@ from . import _keys as keys
 from . import _wire as wire
 from ._checks import check_int, wire_address
 from ._compat import TIMEOUT_ERRORS
-from ._compat import timeout as timeout_after
 from ._link import Link, LinkState, describe_local, open_socket
 from ._memory import Registry
 from ._metrics import Metrics, end_span, event, link_span
@@ -21,9 +21,12 @@ from ._options import Options
 from ._status import (
     LLMException,
     LLMKvCacheNotExist,
+    LLMLinkBusy,
+    LLMLinkFailed,
     LLMNotYetLink,
     LLMParamInvalid,
     LLMStatusCode,
+    LLMTimeoutError,
 )
 from ._types import ClusterInfo
 from .transport import Transport
@@ -31,6 +34,56 @@ from .transport import Transport
 log = logging.getLogger("kvflow")
 
 FINALIZE_BYE_S = 0.5  # how long finalize waits for each peer to confirm it dropped the link
+BACKOFF_FIRST_S = 0.02  # a busy listener is tried again after up to this, doubling per attempt ...
+BACKOFF_MAX_S = 1.0  # ... up to this (full jitter: a uniform wait below the bound)
+REFUSED_RETRIES = 2  # a refused connect (nothing listens yet) is tried this many more times
+
+
+class Attempts:
+    """The tries of one link: how long to wait before the next, and what to say if none succeeds."""
+
+    def __init__(self, address: tuple[str, int], start: float) -> None:
+        self.address = address
+        self.start = start
+        self.tries = 0
+        self.busy = 0  # busy answers or resets before an answer
+        self.refused = 0
+        self.last = ""
+        self.session: handshake.Session | None = None  # the latest try's, once connected
+
+    def wait(self, exc: BaseException) -> float | None:
+        """Seconds to wait before trying again after ``exc``, or None to give up now."""
+        self.tries += 1
+        if isinstance(exc, ConnectionRefusedError):
+            self.refused += 1
+            if self.busy == 0 and self.refused > REFUSED_RETRIES:
+                return None
+        else:
+            self.busy += 1
+            self.last = str(exc.args[0]) if isinstance(exc, LLMException) else str(exc)
+        bound = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.tries - 1))
+        return random.uniform(bound / 2 if self.refused == self.tries else 0.0, bound)
+
+    def failure(self, now: float, timed_out: bool) -> LLMException:
+        """The typed error that says what happened over every try (``timed_out``: the last one ran out of time)."""
+        host, port = self.address
+        took = now - self.start
+        if self.busy:
+            return LLMLinkBusy(
+                f"listener backlog full: {host}:{port} answered busy or reset the connection {self.busy} "
+                f"times; retried {self.tries} times over {took:.2f} s"
+                + (" until the timeout" if timed_out else "") + f" (last: {self.last})")
+        if timed_out:
+            if self.session is None:
+                where = f"connecting to {host}:{port}"
+            elif self.session.received:
+                where = f"in the handshake with {host}:{port}, which answered but did not finish it in time"
+            else:
+                where = f"waiting for {host}:{port} to answer the hello"
+            return LLMTimeoutError(f"timed out after {took:.3f} s {where} (an overloaded or stalled listener, "
+                                   "or not a kvflow one)")
+        return LLMLinkFailed(f"connection refused by {host}:{port}, {self.tries} times over {took:.2f} s: "
+                             "nothing listens there")
 
 
 @dataclass(frozen=True)
@@ -112,14 +165,16 @@ class LinkTable:
         span = link_span(self.local.cluster_id, cid, address)
         code, why = LLMStatusCode.LLM_LINK_FAILED, ""
         try:
-            async with timeout_after(timeout):
-                link = await self._dial(cid, address, info.local_ip_infos[0].ip if info.local_ip_infos else None)
-        except TIMEOUT_ERRORS:
-            why = f"timed out after {timeout:.3f} s"
+            link = await self._dial_retrying(cid, address, info.local_ip_infos[0].ip if info.local_ip_infos else None,
+                                             timeout)
         except LLMException as exc:
             code, why = exc.status_code, str(exc)
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            why = str(exc) or type(exc).__name__
+        except asyncio.IncompleteReadError:
+            why = "the peer closed the connection during the handshake"
+        except ConnectionResetError:
+            why = "the peer reset the connection during the handshake"
+        except OSError as exc:
+            why = f"{exc.strerror or type(exc).__name__} ({address[0]}:{address[1]})"
         except BaseException:
             end_span(span, "CANCELLED")
             raise
@@ -133,12 +188,38 @@ class LinkTable:
         end_span(span, None, transport=link.transport)
         return LLMStatusCode.LLM_SUCCESS
 
-    async def _dial(self, cid: int, address: tuple[str, int], local_ip: str | None) -> Link:
-        sock = await open_socket(address, local_ip)
+    async def _dial_retrying(self, cid: int, address: tuple[str, int], local_ip: str | None,
+                             timeout: float) -> Link:
+        """``_dial`` within ``timeout``; tried again, with backoff, while the listener is busy (it
+        answers so, or resets the connection before answering) and, a few times, when it refuses."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        attempts = Attempts(address, loop.time())
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await self._dial(cid, address, local_ip, attempts)
+            except TIMEOUT_ERRORS:
+                raise attempts.failure(loop.time(), True) from None
+            except (handshake.ListenerBusy, ConnectionRefusedError) as exc:
+                wait = attempts.wait(exc)
+                if wait is None or (not attempts.busy and loop.time() + wait >= deadline):
+                    raise attempts.failure(loop.time(), False) from None
+                if loop.time() >= deadline:
+                    raise attempts.failure(loop.time(), True) from None
+                await asyncio.sleep(min(wait, deadline - loop.time()))
+
+    async def _dial(self, cid: int, address: tuple[str, int], local_ip: str | None, attempts: Attempts) -> Link:
+        attempts.session = None
+        try:
+            sock = await open_socket(address, local_ip)
+        except (ConnectionResetError, ConnectionAbortedError):  # accepted, then reset at once: not taken
+            raise handshake.ListenerBusy("the listener reset the connection before answering the hello") from None
         reader, writer = await asyncio.open_connection(sock=sock)
         me = self.local
+        attempts.session = handshake.Session(reader, writer, me.mac_key)
         try:
-            agreed = await handshake.dial(handshake.Session(reader, writer, me.mac_key),
+            agreed = await handshake.dial(attempts.session,
                                           cluster_id=me.cluster_id, expect=cid, instance=me.instance,
                                           transports=me.transports, unavailable=me.unavailable, address=address)
         except BaseException:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import struct
 from typing import Any
 
 from . import _handshake as handshake
@@ -15,12 +16,25 @@ from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
 from ._links import LinkTable
 from ._metrics import event
-from ._status import LLMException, LLMParamInvalid
+from ._status import LLMException, LLMParamInvalid, LLMStatusCode
 
 log = logging.getLogger("kvflow")
 
-MAX_HANDSHAKES = 512  # incoming connections in their handshake at once; more are refused
 BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+MAX_CONNECTIONS = 4096  # accepted connections not yet sorted or linked; more are reset at once
+MAX_HANDSHAKES = 512  # control connections in their handshake at once; more are answered busy
+MAX_BUSY_HELLO = 64 << 10  # a hello longer than this is not read before the busy answer
+ACCEPTS_PER_WAKEUP = 64
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
+
+
+def reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a reset: a dialer reads that as "not taken, try again", never as a refusal."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    except OSError:
+        pass
+    sock.close()
 
 
 class Listener:
@@ -30,6 +44,8 @@ class Listener:
         self._table = table
         self._loop = asyncio.get_running_loop()
         self._handshakes: set[asyncio.Task[Any]] = set()
+        self._controls = 0  # of those, control connections past their magic
+        self.busy_answers = 0  # control connections answered busy since listening
         self.data_waiters: dict[bytes, asyncio.Future[socket.socket]] = {}
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         srv = socket.socket(family, socket.SOCK_STREAM)
@@ -55,6 +71,11 @@ class Listener:
         """Connections in their handshake now."""
         return len(self._handshakes)
 
+    @property
+    def control_handshakes(self) -> int:
+        """Of those, control connections past their magic (at MAX_HANDSHAKES, more are answered busy)."""
+        return self._controls
+
     def close(self) -> None:
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
@@ -64,7 +85,7 @@ class Listener:
             fut.cancel()
 
     def _accept(self) -> None:
-        for _ in range(16):
+        for _ in range(ACCEPTS_PER_WAKEUP):
             try:
                 sock, _addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -72,9 +93,9 @@ class Listener:
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
                 return
-            if len(self._handshakes) >= MAX_HANDSHAKES:  # a flood of connections: refuse, do not queue
-                log.warning("refusing a connection: %d handshakes in progress", len(self._handshakes))
-                sock.close()
+            if len(self._handshakes) >= MAX_CONNECTIONS:  # a flood of connections: reset, do not queue
+                log.warning("resetting a connection: %d incoming connections in progress", len(self._handshakes))
+                reset(sock)
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -99,8 +120,15 @@ class Listener:
                     return
                 if magic != wire.MAGIC_CONTROL:
                     return
+                if self._controls >= MAX_HANDSHAKES:
+                    await self._answer_busy(sock)
+                    return
             handed_off = True
-            await self._serve_control(sock)
+            self._controls += 1
+            try:
+                await self._serve_control(sock)
+            finally:
+                self._controls -= 1
         except (TimeoutError, OSError, asyncio.IncompleteReadError, LLMException) as exc:
             log.info("incoming connection dropped: %s", exc)
         except Exception:  # whatever a peer sends must not take the listener down
@@ -108,6 +136,23 @@ class Listener:
         finally:
             if not handed_off:
                 sock.close()
+
+    async def _answer_busy(self, sock: socket.socket) -> None:
+        """Read the hello (so that closing sends no reset), then answer that the listener is busy.
+
+        The answer is a ``reject`` with LLM_LINK_BUSY, before any authentication: it carries no more
+        than the bound, and the dialer retries it within its own timeout."""
+        (n,) = struct.unpack("<I", await _recv_exactly(self._loop, sock, 4))
+        if n > MAX_BUSY_HELLO:
+            return
+        await _recv_exactly(self._loop, sock, n)
+        self.busy_answers += 1
+        if self.busy_answers in (1, 100) or self.busy_answers % 10_000 == 0:
+            log.warning("listener busy: %d link handshakes in progress; answered %d dialers to retry",
+                        MAX_HANDSHAKES, self.busy_answers)
+        await self._loop.sock_sendall(sock, wire.pack({
+            "t": "reject", "code": int(LLMStatusCode.LLM_LINK_BUSY),
+            "msg": f"listener busy: {MAX_HANDSHAKES} link handshakes in progress, retry"}))
 
     async def _serve_control(self, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)
@@ -124,7 +169,8 @@ class Listener:
                                                 admit=lambda peer, expect: table.admit(peer, expect, admitted))
         except TIMEOUT_ERRORS:
             log.info("incoming link handshake timed out")
-            writer.close()
+            session.reject(LLMStatusCode.LLM_LINK_FAILED, f"the link handshake did not complete within the "
+                           f"listener's {self._handshake_timeout():.1f} s")
             return
         except LLMException as exc:  # refused (a bad MAC, a protocol error): say why, then hang up
             log.info("incoming link refused: %s", exc)

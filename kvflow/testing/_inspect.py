@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from .._metrics import Metrics
     from ..transport import Transport
 
-__all__ = ["data_waiters", "handler", "handshakes", "link", "linking", "links", "local_cache", "local_caches",
-           "metrics", "transport"]
+__all__ = ["busy_answers", "control_handshakes", "data_waiters", "handler", "handshakes", "link", "linking", "links",
+           "local_cache", "local_caches", "metrics", "transport"]
 
 
 def links(dd: LlmDataDist) -> dict[int, Link]:
@@ -40,6 +40,16 @@ def linking(dd: LlmDataDist) -> set[int]:
 def handshakes(dd: LlmDataDist) -> int:
     """Incoming connections in their handshake now."""
     return dd._listener.handshakes if dd._listener is not None else 0
+
+
+def control_handshakes(dd: LlmDataDist) -> int:
+    """Incoming control connections past their magic, in their handshake now."""
+    return dd._listener.control_handshakes if dd._listener is not None else 0
+
+
+def busy_answers(dd: LlmDataDist) -> int:
+    """Link attempts the listener answered busy since it started listening."""
+    return dd._listener.busy_answers if dd._listener is not None else 0
 
 
 def data_waiters(dd: LlmDataDist) -> dict[bytes, asyncio.Future[socket.socket]]:
