@@ -1,9 +1,9 @@
 """A 1 ms ticker on an event loop: how late each tick fires while kvflow works on that loop.
 
 ``kvflow bench`` runs one on each side's loop during every throughput row. A tick is due one period
-after the previous one fired; its lateness is the time past that (``time.perf_counter``), so a loop
-held by a long callback shows as late ticks. An idle loop has a floor of its own (timer granularity,
-the machine's other work), which the bench measures in the same run."""
+after the previous one fired; its lateness is the time past that (``time.perf_counter``; an early
+tick counts 0), so a loop held by a long callback shows as late ticks. An idle loop has a floor of
+its own (timer granularity, the machine's other work), which the bench measures in the same run."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Ticker:
         while True:
             due = time.perf_counter() + period
             await asyncio.sleep(period)
-            late.append(time.perf_counter() - due)
+            late.append(max(0.0, time.perf_counter() - due))  # uvloop's ms timers may fire a little early
 
     async def stop(self) -> dict[str, Any]:
         """Stop ticking; the worst and p99 lateness in ms and the number of ticks."""

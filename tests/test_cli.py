@@ -116,9 +116,8 @@ def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
     for row in rows:
         if row["unit"] == "GiB/s":
             assert row["ticked"] > 0, row
-            assert all(row[k] >= 0 for k in ("late_worst_ms", "late_p99_ms", "peer_late_worst_ms",
-                                              "peer_late_p99_ms")), row
-            assert row["late_worst_ms"] >= row["late_p99_ms"] and row["peer_late_worst_ms"] >= row["peer_late_p99_ms"]
+            assert row["late_worst_ms"] >= row["late_p99_ms"] >= 0, row
+            assert row["peer_late_worst_ms"] >= row["peer_late_p99_ms"] >= 0, row
         else:
             assert row["ticked"] is None, row
     meta = json.loads(out.read_text())["meta"]
