@@ -235,6 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-ms", type=int, default=30000, help="each link_llm_clusters call's timeout")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds of idle links measured (0: skip)")
     p.add_argument("--transport", default="tcp", help="kvflow.Transports of every instance")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="another initialize option of every instance (repeatable)")
     p.add_argument("--json", help="also write the figures as JSON to this path")
 
 
@@ -246,6 +248,12 @@ def cli(args: argparse.Namespace) -> int:
         print("bench-links: need 1 <= --procs <= --links <= 65536", file=sys.stderr)
         return 2
     options = {"kvflow.Transports": args.transport} if args.transport else {}
+    for kv in args.option:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            print(f"bench-links: --option {kv!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        options[key] = value
     res = run(run_bench_links(args.links, args.procs, args.timeout_ms, args.idle_s, options))
     print(format_result(res))
     if args.json:

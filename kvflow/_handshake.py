@@ -7,8 +7,9 @@ at its bound of handshakes answers the hello with a ``reject`` of code LLM_LINK_
     C -> S  hello      version, cluster ids, instance, nonce, transport *names* only
     [S -> C challenge  nonce]
     [C -> S auth       MAC over the transcript so far]
-    S -> C  welcome    sealed: cluster, instance, data token, the offered transports' descriptions
-    C -> S  choose     sealed: one transport and this side's description of it
+    S -> C  welcome    sealed: cluster, instance, data token, the offered transports' descriptions,
+                       its heartbeat interval and timeout
+    C -> S  choose     sealed: one transport, this side's description of it, its heartbeat settings
     S -> C  accept     sealed (or ``retry`` with a reason: C then chooses the next transport)
     S -> C  ready      sealed, once both sides connected the chosen transport
 
@@ -43,6 +44,7 @@ log = logging.getLogger("kvflow.link")
 
 NONCE_SIZE = 32
 MAX_TRANSPORTS = 16  # names in a hello; more is a protocol error
+MIN_HEARTBEAT_MS, MAX_HEARTBEAT_MS = 10, 600_000  # a peer's heartbeat settings outside these are ignored
 _KDF_SALT = b"kvflow-auth-v2"
 _KDF_ROUNDS = 100_000
 
@@ -175,6 +177,7 @@ class Agreed:
     endpoint: Endpoint
     channel: StreamChannel
     fallbacks: dict[str, str]
+    peer_heartbeat: tuple[float, float] | None = None  # its (interval, timeout) in s; None: not said (wants pongs)
 
 
 def _descriptions(msg: Mapping[str, Any], key: str) -> list[tuple[str, dict[str, Any]]]:
@@ -187,9 +190,20 @@ def _descriptions(msg: Mapping[str, Any], key: str) -> list[tuple[str, dict[str,
     return out
 
 
+def heartbeat_settings(msg: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The peer's heartbeat (interval, timeout) in seconds from its welcome or choice, if it says them."""
+    hb = msg.get("hb")
+    if not (isinstance(hb, list) and len(hb) == 2 and all(type(ms) is int for ms in hb)):
+        return None
+    interval, timeout = hb
+    if not MIN_HEARTBEAT_MS <= interval < timeout <= MAX_HEARTBEAT_MS:
+        return None
+    return interval / 1000, timeout / 1000
+
+
 async def dial(session: Session, *, cluster_id: int, expect: int, instance: str,
                transports: Mapping[str, Transport], unavailable: Mapping[str, str],
-               address: tuple[str, int]) -> Agreed:
+               address: tuple[str, int], heartbeat_ms: tuple[int, int]) -> Agreed:
     """The initiator's side of the handshake, on a fresh control connection to ``address``.
 
     On failure the caller closes the connection; an endpoint already opened is closed here."""
@@ -232,7 +246,7 @@ async def dial(session: Session, *, cluster_id: int, expect: int, instance: str,
         if reason is not None:
             fallbacks[name] = reason
             continue
-        session.send_sealed("choose", {"transport": name, "info": t.describe()})
+        session.send_sealed("choose", {"transport": name, "info": t.describe(), "hb": list(heartbeat_ms)})
         kind, answer = await session.recv_sealed("accept", "retry")
         if kind == "retry":
             fallbacks[name] = f"the peer cannot use it: {str(answer.get('why', '?'))[:200]}"
@@ -260,7 +274,7 @@ async def dial(session: Session, *, cluster_id: int, expect: int, instance: str,
             continue
         if endpoint is None:
             raise wire.ProtocolError("peer reported ready for a transport that failed here")
-        return Agreed(peer, peer_instance, name, endpoint, channel, fallbacks)
+        return Agreed(peer, peer_instance, name, endpoint, channel, fallbacks, heartbeat_settings(welcome))
     session.send_sealed("choose", {"transport": None})
     raise LLMLinkFailed(f"no transport both sides can use ({fallbacks})")
 
@@ -270,7 +284,8 @@ Admit = Callable[[int, int], "tuple[LLMStatusCode, str] | None"]
 
 
 async def accept(session: Session, *, cluster_id: int, instance: str, transports: Mapping[str, Transport],
-                 admit: Admit, token: bytes, waiter: asyncio.Future[socket.socket]) -> Agreed | None:
+                 admit: Admit, token: bytes, waiter: asyncio.Future[socket.socket],
+                 heartbeat_ms: tuple[int, int]) -> Agreed | None:
     """The acceptor's side of the handshake (after the control magic). ``admit(peer, expect)`` says
     why a peer may not link, or None. Returns None when the peer was refused or gave up; the caller
     then closes the connection, and sends the sealed ``ready`` once it installed the link."""
@@ -301,7 +316,7 @@ async def accept(session: Session, *, cluster_id: int, instance: str, transports
         raise wire.ProtocolError("malformed transport list in hello")
     offer = [[n, transports[n].describe()] for n in dict.fromkeys(names) if n in transports]
     session.send_sealed("welcome", {"v": wire.PROTOCOL_VERSION, "cluster": cluster_id, "instance": instance,
-                                    "token": token, "offer": offer})
+                                    "token": token, "offer": offer, "hb": list(heartbeat_ms)})
     refused: dict[str, str] = {}
     for _ in range(len(offer) + 1):
         _, choice = await session.recv_sealed("choose")
@@ -327,7 +342,7 @@ async def accept(session: Session, *, cluster_id: int, instance: str, transports
             refused[name] = why
             session.send_sealed("retry", {"why": why[:200]})
             continue
-        return Agreed(peer, peer_instance, name, endpoint, channel, refused)
+        return Agreed(peer, peer_instance, name, endpoint, channel, refused, heartbeat_settings(choice))
     raise wire.ProtocolError("too many transport choices")
 
 

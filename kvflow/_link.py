@@ -12,6 +12,7 @@ from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
 from ._guard import GUARD
+from ._heartbeat import PING, ControlProtocol, heartbeats
 from ._status import (
     LLMException,
     LLMKvCacheNotExist,
@@ -101,6 +102,7 @@ class Link:
     def __init__(self, *, remote_cluster_id: int, peer_instance: str, initiator: bool, transport: str,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: Handler,
                  heartbeat_interval: float, heartbeat_timeout: float,
+                 peer_heartbeat: tuple[float, float] | None = None,
                  fallbacks: dict[str, str] | None = None) -> None:
         self.remote_cluster_id = remote_cluster_id
         self.peer_instance = peer_instance
@@ -115,9 +117,19 @@ class Link:
         self._reader = reader
         self._writer = writer
         self._handler = handler
-        self._hb_interval = heartbeat_interval
+        # heartbeats (kvflow._heartbeat): ping once we sent nothing for the shorter of the two sides'
+        # intervals; pong only a peer that did not say its settings; break once silent for _hb_timeout
         self._hb_timeout = heartbeat_timeout
-        self._last_rx = self._loop.time()
+        self._pong = peer_heartbeat is None
+        peer_interval, peer_timeout = peer_heartbeat or (heartbeat_interval, heartbeat_timeout)
+        self._ping_every = min(heartbeat_interval, peer_interval)
+        # how late a ping may go out: a quarter of the interval, or of the smaller margin to a timeout
+        self.heartbeat_grain = min(self._ping_every, min(heartbeat_timeout, peer_timeout) - self._ping_every) / 4
+        self._heartbeats = heartbeats()
+        self._expiry: asyncio.TimerHandle | None = None  # armed when the timeout may pass before the next walk
+        self._last_rx = self._last_tx = self._loop.time()
+        proto = writer.transport.get_protocol()
+        self._control = proto if isinstance(proto, ControlProtocol) else None  # it notes when bytes arrive
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 1
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -152,8 +164,11 @@ class Link:
         self.endpoint = endpoint
         self.state = LinkState.LINKED
         self._last_rx = self._loop.time()
+        if self._control is not None:
+            self._control.heard = self._last_rx
+            self._control.drop_pings = not self._pong  # nothing to answer: the reader need not see them
         self._spawn(self._read_loop())
-        self._spawn(self._heartbeat_loop())
+        self._heartbeats.add(self, self._last_rx + self._ping_every)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -170,9 +185,11 @@ class Link:
         )
 
     # ------------------------------------------------------------------ control messages
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any] | bytes) -> None:
+        """Send one control frame (a message, or one already packed)."""
         if self.state in (LinkState.LINKED, LinkState.CONNECTING) and not self._writer.is_closing():
-            self._writer.write(wire.pack(msg))
+            self._writer.write(msg if isinstance(msg, bytes) else wire.pack(msg))
+            self._last_tx = self._loop.time()
             if self._writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
                 self.mark_broken(LLMLinkFailed(
                     f"cluster {self.remote_cluster_id} does not read its control connection "
@@ -209,7 +226,8 @@ class Link:
                 self._last_rx = self._loop.time()
                 t = msg["t"]
                 if t == "ping":
-                    self.send({"t": "pong"})
+                    if self._pong:
+                        self.send({"t": "pong"})
                 elif t == "pong":
                     pass
                 elif t == "rsp":
@@ -250,23 +268,36 @@ class Link:
             self._serving -= 1
         self.send(rsp)
 
-    async def _heartbeat_loop(self) -> None:
-        """Ping every interval; break the link once the peer has been silent for the timeout.
+    def beat(self, now: float) -> float | None:
+        """The heartbeat walker's visit: ping if we sent nothing for our ping interval; break the link
+        if the peer was silent for the timeout, or watch that moment itself if it may come before
+        the next visit. When to visit next, or None once the link is down."""
+        if self.state is not LinkState.LINKED:
+            return None
+        expiry = self._heard() + self._hb_timeout
+        if now >= expiry:
+            self._expire(now)
+            return None
+        if now - self._last_tx >= self._ping_every:
+            self.send(PING)
+        due = self._last_tx + self._ping_every  # (the walker never visits sooner than its next grain)
+        if expiry < due + self.heartbeat_grain and self._expiry is None:
+            self._expiry = self._loop.call_at(expiry + 0.001, self._check_expiry)
+        return due
 
-        It wakes at the next ping or at the moment the timeout would pass, whichever is first,
-        so a silent peer is detected within the timeout plus scheduling delay."""
-        next_ping = self._loop.time() + self._hb_interval
-        while self.state is LinkState.LINKED:
-            now = self._loop.time()
-            expiry = self._last_rx + self._hb_timeout
-            if now >= expiry:
-                self.mark_broken(LLMTimeoutError(
-                    f"no heartbeat from cluster {self.remote_cluster_id} for {now - self._last_rx:.1f} s"))
-                return
-            if now >= next_ping:
-                self.send({"t": "ping"})
-                next_ping = now + self._hb_interval
-            await asyncio.sleep(max(0.0, min(next_ping, expiry) - now) + 0.001)
+    def _heard(self) -> float:
+        """When the peer last sent us anything (on arrival, before any task reads it)."""
+        return self._control.heard if self._control is not None else self._last_rx
+
+    def _check_expiry(self) -> None:
+        self._expiry = None
+        now = self._loop.time()
+        if self.state is LinkState.LINKED and now >= self._heard() + self._hb_timeout:
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        self.mark_broken(LLMTimeoutError(
+            f"no heartbeat from cluster {self.remote_cluster_id} for {now - self._heard():.1f} s"))
 
     # ------------------------------------------------------------------ remote caches
     async def remote_cache(self, cache_id: int, timeout: float) -> RemoteCache:
@@ -410,6 +441,9 @@ class Link:
             self._shutdown(LLMLinkFailed(f"link to cluster {self.remote_cluster_id}: {reason}"))
 
     def _shutdown(self, exc: BaseException) -> None:
+        if self._expiry is not None:  # (the walker drops the link at its next visit)
+            self._expiry.cancel()
+            self._expiry = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(exc)

@@ -14,6 +14,7 @@ from . import _keys as keys
 from . import _wire as wire
 from ._checks import check_int, wire_address
 from ._compat import TIMEOUT_ERRORS
+from ._heartbeat import open_control
 from ._link import Link, LinkState, describe_local, open_socket
 from ._memory import Registry
 from ._metrics import Metrics, end_span, event, link_span
@@ -215,13 +216,14 @@ class LinkTable:
             sock = await open_socket(address, local_ip)
         except (ConnectionResetError, ConnectionAbortedError):  # accepted, then reset at once: not taken
             raise handshake.ListenerBusy("the listener reset the connection before answering the hello") from None
-        reader, writer = await asyncio.open_connection(sock=sock)
+        reader, writer = await open_control(sock)
         me = self.local
         attempts.session = handshake.Session(reader, writer, me.mac_key)
         try:
             agreed = await handshake.dial(attempts.session,
                                           cluster_id=me.cluster_id, expect=cid, instance=me.instance,
-                                          transports=me.transports, unavailable=me.unavailable, address=address)
+                                          transports=me.transports, unavailable=me.unavailable, address=address,
+                                          heartbeat_ms=me.opts.heartbeat_ms)
         except BaseException:
             writer.close()
             raise
@@ -237,7 +239,8 @@ class LinkTable:
         link = Link(remote_cluster_id=agreed.peer_cluster, peer_instance=agreed.peer_instance, initiator=initiator,
                     transport=agreed.transport, reader=reader, writer=writer, handler=self.handle,
                     heartbeat_interval=opts.heartbeat_interval_ms / 1000,
-                    heartbeat_timeout=opts.heartbeat_timeout_ms / 1000, fallbacks=agreed.fallbacks)
+                    heartbeat_timeout=opts.heartbeat_timeout_ms / 1000,
+                    peer_heartbeat=agreed.peer_heartbeat, fallbacks=agreed.fallbacks)
         agreed.channel.link = link
         return link
 

@@ -14,6 +14,7 @@ from . import _handshake as handshake
 from . import _wire as wire
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
+from ._heartbeat import open_control
 from ._links import LinkTable
 from ._metrics import event
 from ._status import LLMException, LLMParamInvalid, LLMStatusCode
@@ -155,7 +156,7 @@ class Listener:
             "msg": f"listener busy: {MAX_HANDSHAKES} link handshakes in progress, retry"}))
 
     async def _serve_control(self, sock: socket.socket) -> None:
-        reader, writer = await asyncio.open_connection(sock=sock)
+        reader, writer = await open_control(sock)
         table, me = self._table, self._table.local
         session = handshake.Session(reader, writer, me.mac_key)
         token = os.urandom(wire.TOKEN_SIZE)
@@ -166,6 +167,7 @@ class Listener:
             async with timeout_after(self._handshake_timeout()):
                 agreed = await handshake.accept(session, cluster_id=me.cluster_id, instance=me.instance,
                                                 transports=me.transports, token=token, waiter=waiter,
+                                                heartbeat_ms=me.opts.heartbeat_ms,
                                                 admit=lambda peer, expect: table.admit(peer, expect, admitted))
         except TIMEOUT_ERRORS:
             log.info("incoming link handshake timed out")

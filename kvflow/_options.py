@@ -26,6 +26,11 @@ class Options:
     max_links: int = 1024
     transport_options: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def heartbeat_ms(self) -> tuple[int, int]:
+        """(interval, timeout) of heartbeats in ms, as a link's handshake tells the peer."""
+        return self.heartbeat_interval_ms, self.heartbeat_timeout_ms
+
 
 def _ms(key: str, value: str, lo: int = 1, hi: int = 24 * 3600 * 1000) -> int:
     try:
