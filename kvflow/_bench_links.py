@@ -5,8 +5,8 @@ hold ``--links`` linking instances between them (one ``LlmDataDist`` and one lin
 instance calls ``link_llm_clusters`` to the listener at the same moment. The storm figure is the
 time from that moment until the last link was made, with each link's own time (p50, p99) and how
 many attempts the busy listener asked to be retried. Then nothing happens for ``--idle-s`` seconds,
-and the listener reports the CPU it used meanwhile (``getrusage``, as % of one core) and its RSS
-growth per link since it started listening.
+and the listener reports the CPU it used meanwhile (``getrusage``, as % of one core, and the
+kernel's part of it) and its RSS growth per link since it started listening.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _sys_s() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def raise_fd_limit(need: int) -> None:
     """Raise the soft limit on open files to ``need`` (at most the hard limit)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -79,11 +83,11 @@ async def listener_main(conn: Connection) -> None:
                            "busy_answers": busy, "cpu_s": _cpu_s() - cpu_listening})
             elif isinstance(msg, dict) and "idle" in msg:
                 n = sum(1 for info in dd.links().values() if info.state == "linked")
-                cpu0, t0 = _cpu_s(), time.monotonic()
+                cpu0, sys0, t0 = _cpu_s(), _sys_s(), time.monotonic()
                 await asyncio.sleep(msg["idle"])
-                cpu, wall = _cpu_s() - cpu0, time.monotonic() - t0
+                cpu, sys_cpu, wall = _cpu_s() - cpu0, _sys_s() - sys0, time.monotonic() - t0
                 alive = sum(1 for info in dd.links().values() if info.state == "linked")
-                conn.send({"links": n, "alive_after": alive, "cpu_s": cpu, "wall_s": wall,
+                conn.send({"links": n, "alive_after": alive, "cpu_s": cpu, "sys_s": sys_cpu, "wall_s": wall,
                            "rss_growth": _rss() - rss0, "stats": dd.stats().get("link_events")})
             else:
                 return
@@ -200,6 +204,7 @@ async def run_bench_links(links: int, procs: int, timeout_ms: int, idle_s: float
             res["idle_links"] = idle["links"]
             res["idle_links_alive_after"] = idle["alive_after"]
             res["idle_cpu_pct"] = 100 * idle["cpu_s"] / idle["wall_s"]
+            res["idle_sys_pct"] = 100 * idle["sys_s"] / idle["wall_s"]
             res["rss_per_link_kib"] = idle["rss_growth"] / max(1, idle["links"]) / 1024
             res["linkers_idle_cpu_pct"] = idle["linkers_cpu_pct"]
         return res
@@ -222,7 +227,8 @@ def format_result(res: dict[str, Any]) -> str:
                      f"p99 {res['link_p99_s']:.2f} s")
     if "idle_cpu_pct" in res:
         lines.append(f"idle: the listener with {res['idle_links']} links used {res['idle_cpu_pct']:.2f} % of one core "
-                     f"over {res['idle_s']:.1f} s ({res['idle_links_alive_after']} links alive after); "
+                     f"({res['idle_sys_pct']:.2f} % in the kernel) over {res['idle_s']:.1f} s "
+                     f"({res['idle_links_alive_after']} links alive after); "
                      f"RSS {res['rss_per_link_kib']:.1f} KiB per link; linker processes "
                      f"{', '.join(f'{c:.2f}' for c in res['linkers_idle_cpu_pct'])} % each")
     return "\n".join(lines)
