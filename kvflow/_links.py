@@ -192,7 +192,8 @@ class LinkTable:
     async def _dial_retrying(self, cid: int, address: tuple[str, int], local_ip: str | None,
                              timeout: float) -> Link:
         """``_dial`` within ``timeout``; tried again, with backoff, while the listener is busy (it
-        answers so, or resets the connection before answering) and, a few times, when it refuses."""
+        answers so, resets the connection before answering, or gives up on our handshake as too slow)
+        and, a few times, when it refuses."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         attempts = Attempts(address, loop.time())
@@ -202,7 +203,7 @@ class LinkTable:
                     return await self._dial(cid, address, local_ip, attempts)
             except TIMEOUT_ERRORS:
                 raise attempts.failure(loop.time(), True) from None
-            except (handshake.ListenerBusy, ConnectionRefusedError) as exc:
+            except (LLMLinkBusy, ConnectionRefusedError) as exc:  # ListenerBusy, or timed out by a busy listener
                 wait = attempts.wait(exc)
                 if wait is None or (not attempts.busy and loop.time() + wait >= deadline):
                     raise attempts.failure(loop.time(), False) from None

@@ -171,8 +171,8 @@ class Listener:
                                                 admit=lambda peer, expect: table.admit(peer, expect, admitted))
         except TIMEOUT_ERRORS:
             log.info("incoming link handshake timed out")
-            session.reject(LLMStatusCode.LLM_LINK_FAILED, f"the link handshake did not complete within the "
-                           f"listener's {self._handshake_timeout():.1f} s")
+            session.reject(LLMStatusCode.LLM_LINK_BUSY, f"the link handshake did not complete within the "
+                           f"listener's {self._handshake_timeout():.1f} s, retry")
             return
         except LLMException as exc:  # refused (a bad MAC, a protocol error): say why, then hang up
             log.info("incoming link refused: %s", exc)

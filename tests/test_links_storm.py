@@ -167,6 +167,35 @@ async def test_link_retries_a_listener_that_resets_connections_beyond_its_bound(
     assert code == LLMStatusCode.LLM_SUCCESS and took >= 0.3
 
 
+async def test_link_retries_when_the_listener_gives_up_on_a_slow_handshake(
+        dds_srv_slow: tuple[LlmDataDist, list[int]]) -> None:
+    srv, calls = dds_srv_slow  # its first handshake stalls past the listener's 1 s
+    assert srv.listen_address is not None
+    code, took = await dial(24, srv.listen_address, 5000)
+    assert code == LLMStatusCode.LLM_SUCCESS and took >= 1.0, (code, took)
+    assert len(calls) == 2  # the stalled handshake, then the one that linked
+
+
+@pytest_asyncio.fixture
+async def dds_srv_slow(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[LlmDataDist, list[int]]]:
+    """A listener (handshake timeout 1 s) whose first handshake sleeps 1.5 s before it starts."""
+    calls: list[int] = []
+    accept = listener.handshake.accept
+
+    async def slow_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            await asyncio.sleep(1.5)
+        return await accept(*args, **kwargs)
+
+    monkeypatch.setattr(listener.handshake, "accept", slow_once)
+    dd = LlmDataDist(SRV, LlmRole.PROMPT)
+    await dd.initialize({**TCP, "llm.ListenIpInfo": "127.0.0.1:0", "kvflow.HeartbeatInterval": "200",
+                         "kvflow.HeartbeatTimeout": "1000"})
+    yield dd, calls
+    await dd.finalize()
+
+
 async def test_refused_link_is_retried_briefly_then_fails_saying_nothing_listens(
         caplog: pytest.LogCaptureFixture) -> None:
     with socket.socket() as s:  # a port nobody listens on

@@ -336,7 +336,7 @@ async def test_everything_stalled_heartbeat_breaks_link_both_sides_then_relinks(
     with pytest.raises(LLMTimeoutError, match="heartbeat"):
         await dd.pull_kv_blocks(src, cache, [1], [1], timeout_in_millis=20000)
     took = time.monotonic() - t0
-    assert 0.5 <= took < 1.2, took
+    assert 0.45 <= took < 1.2, took  # 600 ms after the last ping heard, up to 125 ms before the stall
     # the peer's side breaks too (it hears nothing either)
     await until_peer_link_state(peer, LOCAL, "broken", 3.0)
     proxy.resume()
@@ -1035,10 +1035,15 @@ async def test_connection_flood_beyond_the_bound_is_reset_at_once(cleanup: list[
     assert addr is not None and g is not None
 
     def flood() -> tuple[int, float]:
-        socks = [socket.create_connection(addr, timeout=3) for _ in range(20)]
+        socks: list[socket.socket] = []
+        reset = 0
         t0 = time.monotonic()
         try:
-            reset = 0
+            for _ in range(20):
+                try:
+                    socks.append(socket.create_connection(addr, timeout=3))
+                except ConnectionResetError:  # reset before connect() returned
+                    reset += 1
             for s in socks:
                 s.settimeout(0.05)
                 try:

@@ -16,7 +16,9 @@ connection first and its data connection second, so for a single link index 0 is
 control and index 1 is data (``proxy.connections[i].index``).
 
 The proxy holds at most one chunk (``chunk`` bytes) per direction per connection: while it
-stalls it stops reading, so the sender's socket buffers fill and TCP pushes back.
+stalls it stops reading, so the sender's socket buffers fill and TCP pushes back. A close
+(FIN) that reaches a stalled direction is held too, as a cut cable would: a stalled peer that
+gives up on the link is noticed by heartbeats, not by its close.
 Connections are bounded by ``max_connections``; beyond that new ones are refused.
 """
 
@@ -62,6 +64,7 @@ class _Pump:
                 await self._gate()
                 data = await self.reader.read(chunk)
                 if not data:
+                    await self._gate()  # a stalled direction holds the sender's close too
                     break
                 while data:
                     await self._gate()
