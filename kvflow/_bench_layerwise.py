@@ -114,6 +114,13 @@ async def _compute_on_loop(events: LayerEvents | None, layers: int, seconds: flo
             events.mark_ready(layer)
 
 
+def _start_compute(where: str, events: LayerEvents | None, layers: int, seconds: float) -> asyncio.Future[None]:
+    """Start the compute on a thread of its own or as a task on this loop; await the result for its end."""
+    if where == "thread":
+        return _compute(events, layers, seconds)
+    return asyncio.ensure_future(_compute_on_loop(events, layers, seconds))
+
+
 async def _one_transport(transport: str, info: dict[str, Any], layers: int, blocks: int, compute_ms: list[float] | None,
                          repeat: int, progress: Callable[[Row], None] | None) -> list[Row]:
     desc = _desc(layers, blocks)
@@ -138,62 +145,41 @@ async def _one_transport(transport: str, info: dict[str, Any], layers: int, bloc
             alone.append(time.perf_counter() - t0)
         t_layer = float(np.median(alone[2:]))
         computes = compute_ms or [round(t_layer * 1000 * f + 0.05, 1) for f in (1.0, 2.0)]
-        for c_ms in computes:
-            c = c_ms / 1000
-            serial, overlapped, exposed, computed = [], [], [], []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                await _compute(None, layers, c)
-                await dd.push_kv_blocks(cache, dst, src_blocks, dst_blocks)
-                serial.append(time.perf_counter() - t0)
+        for where in ("thread", "loop"):
+            for c_ms in computes:
+                c = c_ms / 1000
+                alone_c, serial, overlapped, exposed, computed = [], [], [], [], []
+                for _ in range(repeat):
+                    if where == "loop":  # the loop rows' baseline: the compute alone on this loop
+                        t0 = time.perf_counter()
+                        await _start_compute(where, None, layers, c)
+                        alone_c.append(time.perf_counter() - t0)
 
-                events = LayerEvents(layers)
-                t0 = time.perf_counter()
-                task = dd.transfer_cache_async(cache, events, [TransferConfig(dst)], src_blocks, dst_blocks)
-                done = _compute(events, layers, c)
-                await task
-                await done
-                overlapped.append(time.perf_counter() - t0)
-                last_ready = events.ready_at[layers - 1]
-                assert last_ready is not None
-                exposed.append(max(task.layer_sent_at.values()) - last_ready)
-                computed.append(last_ready - t0)
-                await asyncio.sleep(0.01)
-            m0, m1, m2, m3 = (float(np.median(v)) * 1e3 for v in (computed, serial, overlapped, exposed))
-            row = Row(transport, layers, 2 * desc.tensor_bytes / (1 << 20), c_ms, t_layer * 1e3, m0, m1, m2, m3,
-                      float(np.max(exposed)) * 1e3, (1.5 * t_layer + 0.002) * 1e3)
-            rows.append(row)
-            if progress:
-                progress(row)
-        for c_ms in computes:  # the same, with the compute awaited on this loop
-            c = c_ms / 1000
-            alone_c, serial, overlapped, exposed = [], [], [], []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                await _compute_on_loop(None, layers, c)
-                alone_c.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    await _start_compute(where, None, layers, c)
+                    await dd.push_kv_blocks(cache, dst, src_blocks, dst_blocks)
+                    serial.append(time.perf_counter() - t0)
 
-                t0 = time.perf_counter()
-                await _compute_on_loop(None, layers, c)
-                await dd.push_kv_blocks(cache, dst, src_blocks, dst_blocks)
-                serial.append(time.perf_counter() - t0)
-
-                events = LayerEvents(layers)
-                t0 = time.perf_counter()
-                task = dd.transfer_cache_async(cache, events, [TransferConfig(dst)], src_blocks, dst_blocks)
-                await _compute_on_loop(events, layers, c)
-                await task
-                overlapped.append(time.perf_counter() - t0)
-                last_ready = events.ready_at[layers - 1]
-                assert last_ready is not None
-                exposed.append(max(task.layer_sent_at.values()) - last_ready)
-                await asyncio.sleep(0.01)
-            m0, m1, m2, m3 = (float(np.median(v)) * 1e3 for v in (alone_c, serial, overlapped, exposed))
-            row = Row(transport, layers, 2 * desc.tensor_bytes / (1 << 20), c_ms, t_layer * 1e3, m0, m1, m2, m3,
-                      float(np.max(exposed)) * 1e3, m0 + 1.1 * t_layer * 1e3 + 1.0, "loop")
-            rows.append(row)
-            if progress:
-                progress(row)
+                    events = LayerEvents(layers)
+                    t0 = time.perf_counter()
+                    task = dd.transfer_cache_async(cache, events, [TransferConfig(dst)], src_blocks, dst_blocks)
+                    done = _start_compute(where, events, layers, c)
+                    await task
+                    await done
+                    overlapped.append(time.perf_counter() - t0)
+                    last_ready = events.ready_at[layers - 1]
+                    assert last_ready is not None
+                    exposed.append(max(task.layer_sent_at.values()) - last_ready)
+                    computed.append(last_ready - t0)
+                    await asyncio.sleep(0.01)
+                base = alone_c if where == "loop" else computed
+                m0, m1, m2, m3 = (float(np.median(v)) * 1e3 for v in (base, serial, overlapped, exposed))
+                target = m0 + 1.1 * t_layer * 1e3 + 1.0 if where == "loop" else (1.5 * t_layer + 0.002) * 1e3
+                row = Row(transport, layers, 2 * desc.tensor_bytes / (1 << 20), c_ms, t_layer * 1e3, m0, m1, m2, m3,
+                          float(np.max(exposed)) * 1e3, target, where)
+                rows.append(row)
+                if progress:
+                    progress(row)
     return rows
 
 
