@@ -600,6 +600,10 @@ def test_status_codes_and_exceptions_are_kvflows() -> None:
     for code in kvflow.LLMStatusCode:
         if code.name in LLMStatusCode.__members__:
             assert LLMStatusCode[code.name] == code
+    # the original's Python enum leaves out four internal codes of its C header; kvflow has them
+    missing = {c.name for c in kvflow.LLMStatusCode if int(c) not in {int(x) for x in LLMStatusCode}}
+    assert missing == {"LLM_CACHE_INCOMPATIBLE", "LLM_CACHE_KEY_ALREADY_EXIST", "LLM_COPY_CACHE_FAILED",
+                       "LLM_CACHE_ID_ALREADY_EXIST"}
     assert LLMStatusCode.LLM_SEQ_LENOVERLIMIT == kvflow.LLMStatusCode.LLM_SEQ_LEN_OVER_LIMIT
     assert LLMStatusCode.LLM_UNKNOWN_ERROR == -1 and LLMStatusCode.LLM_DEVICE_MEM_ERROR == 507053
     exc = LLMException("x", status_code=LLMStatusCode.LLM_TIMEOUT)

@@ -146,3 +146,18 @@ async def until(pred: Any, timeout: float = 5.0) -> None:
     while not pred():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("said", [
+    [0, 1000], [5, 1000], [100, 100], [1000, 100], [100, 600_001], [-1, 1000],  # outside the bounds
+    [100.0, 1000], [True, 1000], ["100", "1000"], [100], [100, 1000, 5], {"interval": 100}, None,  # ill-formed
+])
+async def test_a_peers_heartbeat_settings_outside_the_bounds_are_ignored(said: Any) -> None:
+    # a hostile peer cannot make this side ping in a tight loop or never time it out: it gets pongs,
+    # and our own settings rule
+    from kvflow._handshake import MAX_HEARTBEAT_MS, MIN_HEARTBEAT_MS, heartbeat_settings
+
+    assert MIN_HEARTBEAT_MS >= 10 and MAX_HEARTBEAT_MS <= 600_000
+    assert heartbeat_settings({"hb": said}) is None
+    assert heartbeat_settings({"hb": [MIN_HEARTBEAT_MS, MAX_HEARTBEAT_MS]}) == (MIN_HEARTBEAT_MS / 1000,
+                                                                                MAX_HEARTBEAT_MS / 1000)
