@@ -335,8 +335,8 @@ class LlmDataDist:
             return plan_cache(remote.desc, remote.addrs, ci.batch_index, local.desc, local.addrs,
                               batch_index, size, ext_param, False)
 
-        return Request(PULL, ci, local, plan,
-                       lambda: cache_precheck(local.desc, batch_index, size, ext_param, False))
+        return (PULL, ci, local, plan,
+                lambda: cache_precheck(local.desc, batch_index, size, ext_param, False))
 
     def _pull_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: BlockList,
                      dst_blocks: BlockList, ext_param: KvCacheExtParam | None) -> Request:
@@ -348,8 +348,8 @@ class LlmDataDist:
             return plan_blocks(remote.desc, remote.addrs, local.desc, local.addrs, src_blocks, dst_blocks,
                                ext_param, False)
 
-        return Request(PULL, ci, local, plan,
-                       lambda: blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
+        return (PULL, ci, local, plan,
+                lambda: blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
 
     def _push_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int, size: int,
                     ext_param: KvCacheExtParam | None) -> Request:
@@ -361,8 +361,8 @@ class LlmDataDist:
             return plan_cache(local.desc, local.addrs, src_batch_index, remote.desc, remote.addrs,
                               ci.batch_index, size, ext_param)
 
-        return Request(PUSH, ci, local, plan,
-                       lambda: cache_precheck(local.desc, src_batch_index, size, ext_param, True))
+        return (PUSH, ci, local, plan,
+                lambda: cache_precheck(local.desc, src_batch_index, size, ext_param, True))
 
     def _push_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: BlockList,
                      dst_blocks: BlockList, ext_param: KvCacheExtParam | None) -> Request:
@@ -374,8 +374,8 @@ class LlmDataDist:
             return plan_blocks(local.desc, local.addrs, remote.desc, remote.addrs, src_blocks, dst_blocks,
                                ext_param)
 
-        return Request(PUSH, ci, local, plan,
-                       lambda: blocks_precheck(local.desc, src_blocks, dst_blocks, ext_param, True))
+        return (PUSH, ci, local, plan,
+                lambda: blocks_precheck(local.desc, src_blocks, dst_blocks, ext_param, True))
 
     # ------------------------------------------------------------------ layer-wise push
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,

@@ -8,7 +8,7 @@ vanished is forgotten. Small batches that a transport can move on the spot skip 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, Protocol
 
 from ._checks import MAX_TIMEOUT_MS, check_int
 from ._deadline import Deadline
@@ -27,17 +27,11 @@ PULL, PUSH = "pull", "push"
 Planner = Callable[[RemoteCache], Plan]
 
 
-class Request(NamedTuple):
-    """One pull or push of blocks or slots, checked as far as local state allows.
-
-    ``precheck`` holds the checks that need only the local cache; they run before the peer is first
-    asked for its cache (once it is known, ``planner`` checks everything)."""
-
-    direction: str
-    ci: CacheIndex
-    local: LocalCache
-    planner: Planner
-    precheck: Callable[[], None]
+#: One pull or push of blocks or slots, checked as far as local state allows: (direction, the peer's
+#: cache index, the local cache, the planner, the precheck). The precheck holds the checks that need
+#: only the local cache; they run before the peer is first asked for its cache (once it is known, the
+#: planner checks everything). A plain tuple: a NamedTuple costs 0.27 µs per 4 KiB pull to build.
+Request = tuple[str, CacheIndex, LocalCache, Planner, Callable[[], None]]
 
 
 class RunningTask(Protocol):
