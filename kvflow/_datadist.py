@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from . import _handshake as handshake
 from . import _keys as keys
+from . import _notes as notes
 from ._checks import blocks_precheck, cache_precheck, check_clusters, check_index, check_int
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
@@ -179,6 +180,20 @@ class LlmDataDist:
         self._ready()
         return await keys.resolve(self._table.get(cluster_id), keys.check_key(key),
                                   self._engine.deadline(timeout_in_millis))
+
+    # ------------------------------------------------------------------ notifications
+    async def send_notification(self, cluster_id: int, payload: bytes, *,
+                                timeout_in_millis: int | None = None) -> None:
+        """Hand ``payload`` (bytes, at most 64 KiB) to linked cluster ``cluster_id``; returns once the
+        peer has queued it for its ``get_notifications``. LLMLinkBusy if the peer's queue is full."""
+        self._ready()
+        data = notes.check_payload(payload)
+        link = self._table.get(cluster_id)
+        await link.request({"op": "note", "payload": data}, self._engine.deadline(timeout_in_millis))
+
+    def get_notifications(self) -> list[tuple[int, bytes]]:
+        """Take the notifications that linked peers sent: (cluster id, payload) pairs, oldest first."""
+        return self._table.inbox.take()
 
     async def unregister_kv_cache(self, cache_id: int, *, timeout_in_millis: int | None = None) -> None:
         """Unregister a cache once no peer can touch its memory any more. Unknown ids succeed.

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from . import _handshake as handshake
 from . import _keys as keys
+from . import _notes as notes
 from . import _wire as wire
 from ._checks import check_int, wire_address
 from ._compat import TIMEOUT_ERRORS
@@ -123,6 +124,7 @@ class LinkTable:
         self._granted: dict[int, set[Link]] = {}
         self._retired: list[Link] = []  # replaced or purged links whose endpoints may still unwind
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.inbox = notes.Inbox()  # peers' notifications, until the application takes them
 
     def info(self, link: Link) -> LinkInfo:
         return LinkInfo(link.remote_cluster_id, link.transport, link.state.value, link.initiator,
@@ -378,6 +380,8 @@ class LinkTable:
             if link.endpoint is not None and link.endpoint.one_sided:  # the peer will touch it itself
                 self._granted.setdefault(cache_id, set()).add(link)
             return {"cache": describe_local(local, link.transport)}
+        if op == "note":
+            return self.inbox.answer(link.remote_cluster_id, msg)
         if op == "gone":
             remote = link.forget(wire.field(msg, "cache_id", int))
             budget = msg.get("ms")

@@ -461,6 +461,22 @@ class LlmDataDist:
         return self._submit("unlink_llm_clusters", self._dd.unlink_llm_clusters, clusters, timeout_in_millis,
                             force)
 
+    # ------------------------------------------------------------------ notifications
+    def send_notification(self, cluster_id: int, payload: bytes, *, timeout_in_millis: int | None = None) -> None:
+        """Blocking :meth:`kvflow.LlmDataDist.send_notification`."""
+        self._call("send_notification", self._dd.send_notification, cluster_id, payload,
+                   timeout_in_millis=timeout_in_millis)
+
+    def submit_send_notification(self, cluster_id: int, payload: bytes, *,
+                                 timeout_in_millis: int | None = None) -> concurrent.futures.Future[None]:
+        """:meth:`send_notification` without blocking."""
+        return self._submit("send_notification", self._dd.send_notification, cluster_id, payload,
+                            timeout_in_millis=timeout_in_millis)
+
+    def get_notifications(self) -> list[tuple[int, bytes]]:
+        """:meth:`kvflow.LlmDataDist.get_notifications`; never blocks (it takes a queue that the loop fills)."""
+        return self._dd.get_notifications()
+
     # ------------------------------------------------------------------ transfers
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0, size: int = -1,
                       ext_param: KvCacheExtParam | None = None, *, timeout_in_millis: int | None = None) -> None:

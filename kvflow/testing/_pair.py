@@ -133,6 +133,11 @@ async def _command(dd: LlmDataDist, arrays: dict[int, list[np.ndarray]], caches:
         else:
             raise ValueError(f"unknown transfer {kind!r}")
         return None
+    if op == "notify":  # send a notification to a linked cluster
+        await dd.send_notification(*args)
+        return None
+    if op == "notes":  # take the notifications received so far
+        return dd.get_notifications()
     if op == "stats":
         return dd.stats()
     if op == "links":
