@@ -98,6 +98,34 @@ async def test_1024_concurrent_links_to_one_listener_succeed_or_fail_retryable_a
         assert res["failed"], "the short timeout was meant to leave some links failed"
 
 
+def _shm_unavailable() -> str | None:
+    try:
+        from kvflow_shm import ShmTransport
+    except ImportError:
+        return "kvflow-shm is not installed"
+    return ShmTransport.unavailable_reason()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(_shm_unavailable() is not None, reason=f"shm unavailable: {_shm_unavailable()}")
+@pytest.mark.parametrize("timeout_ms", [20_000, 300])
+async def test_512_concurrent_shm_links_to_one_listener_succeed_or_fail_retryable_at_their_timeout(
+        timeout_ms: int) -> None:
+    """The same storm pinned to shm, whose links also meet on the listener's rendezvous socket: its
+    backlog once let 734 of 1024 fail with "cannot reach the peer's rendezvous socket"."""
+    res = await run_bench_links(512, 4, timeout_ms, 0.0, {"kvflow.Transports": "shm"})
+    outcomes = res["codes_and_times"]
+    assert len(outcomes) == 512
+    for code, took in outcomes:
+        if code != LLMStatusCode.LLM_SUCCESS:
+            assert LLMStatusCode(code) in RETRYABLE_CODES, (LLMStatusCode(code).name, res["errors"])
+            assert took >= timeout_ms / 1000 - 0.01, took
+    assert res["held_by_listener"] == res["linked"]
+    assert not [e for e in res["errors"] if "rendezvous" in e or any(raw in e for raw in RAW_ERRORS)], res["errors"]
+    if timeout_ms == 20_000:
+        assert res["linked"] == 512, (res["failed"], res["errors"])
+
+
 # ------------------------------------------------------------------ the listener's bounds
 async def test_listener_at_its_handshake_bound_answers_busy_and_hangs_up_cleanly(
         srv: LlmDataDist, held: list[socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:

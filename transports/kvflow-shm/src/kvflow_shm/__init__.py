@@ -19,6 +19,7 @@ import hmac
 import itertools
 import logging
 import os
+import random
 import select
 import socket
 import struct
@@ -60,6 +61,11 @@ _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
 _UDS_PREFIX = "kvflow-shm-"
 _BINDING = 32
 _RENDEZVOUS_S = 5.0  # a paired Unix connection must show its binding within this
+#: Rendezvous connections accepted and being paired at once; beyond it they wait in the listen
+#: backlog (as long as the kernel's somaxconn allows), where further dialers get EAGAIN and retry.
+_MAX_PAIRING = 4096
+_RETRY_FIRST_S = 0.001  # first pause of a dialer that found the rendezvous backlog full; doubles per try
+_RETRY_MAX_S = 0.1
 
 
 def _read(path: str) -> str:
@@ -123,7 +129,7 @@ class _Rendezvous:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind("\0" + self.name)
-            self._sock.listen(64)
+            self._sock.listen(_MAX_PAIRING)
             self._sock.setblocking(False)
             self._loop.add_reader(self._sock.fileno(), self._accept)
         except BaseException:
@@ -131,17 +137,36 @@ class _Rendezvous:
             raise
         self._waiters: dict[bytes, asyncio.Future[socket.socket]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._paused = False  # at _MAX_PAIRING: not accepting until a pairing ends
 
     @staticmethod
     def _proof(binding: bytes) -> bytes:
         return hmac.new(binding, b"kvflow-shm-rendezvous", "sha256").digest()
 
     async def dial(self, name: str, binding: bytes) -> socket.socket:
-        """The initiator's side: connect to the peer's rendezvous and pair with ``binding``."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
+        """The initiator's side: connect to the peer's rendezvous and pair with ``binding``. While
+        the peer's backlog is full, tried again after a jittered pause, until the caller's timeout
+        cancels it."""
+        full = 0
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
-            await self._loop.sock_connect(sock, "\0" + name)
+            try:
+                sock.connect("\0" + name)  # a Unix socket connects at once, or fails
+                break
+            except BlockingIOError:  # EAGAIN: the backlog is full (a link storm)
+                sock.close()
+            except OSError as exc:
+                sock.close()
+                tried = f" after its backlog was full {full} times" if full else ""
+                raise LLMLinkFailed(f"shm: cannot reach the peer's rendezvous socket{tried}: "
+                                    f"{exc.strerror or exc}") from None
+            except BaseException:
+                sock.close()
+                raise
+            full += 1
+            await asyncio.sleep(random.uniform(0.0, min(_RETRY_MAX_S, _RETRY_FIRST_S * 2 ** min(full, 16))))
+        try:
             await self._loop.sock_sendall(sock, binding)
             proof = await _recv_exact(self._loop, sock, 32)
             if not hmac.compare_digest(proof, self._proof(binding)):
@@ -173,12 +198,19 @@ class _Rendezvous:
                 log.warning("shm rendezvous: accept failed: %s", exc)
                 return
             sock.setblocking(False)
-            if len(self._tasks) >= 64:  # a flood: refuse rather than queue
-                sock.close()
-                continue
             task = self._loop.create_task(self._pair(sock))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._paired)
+            if len(self._tasks) >= _MAX_PAIRING:  # a flood: leave the rest in the backlog
+                self._loop.remove_reader(self._sock.fileno())
+                self._paused = True
+                return
+
+    def _paired(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._paused and self._sock.fileno() >= 0:
+            self._paused = False
+            self._loop.add_reader(self._sock.fileno(), self._accept)
 
     async def _pair(self, sock: socket.socket) -> None:
         try:
