@@ -8,6 +8,7 @@ from ._layerwise import CacheTask, LayerEvents, LayerSynchronizer, TransferConfi
 from ._run import run
 from ._status import (
     RETRYABLE_CODES,
+    LinkResults,
     LLMAlreadyLink,
     LLMClusterNumExceedLimit,
     LLMException,
@@ -70,6 +71,7 @@ __all__ = (
     "LayerEvents",
     "LayerSynchronizer",
     "LinkInfo",
+    "LinkResults",
     "LlmDataDist",
     "LlmRole",
     "Placement",

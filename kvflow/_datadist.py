@@ -25,6 +25,8 @@ from ._metrics import Metrics, event
 from ._options import parse_options
 from ._plan import Plan, plan_blocks, plan_cache
 from ._status import (
+    LinkResults,
+    LLMException,
     LLMFailed,
     LLMFeatureNotEnabled,
     LLMKvCacheNotExist,
@@ -268,12 +270,16 @@ class LlmDataDist:
 
     # ------------------------------------------------------------------ links
     async def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000
-                                ) -> list[LLMStatusCode]:
-        """Link to each cluster's listen address; one status per cluster (never raises on link failure)."""
+                                ) -> LinkResults:
+        """Link to each cluster's listen address; one status per cluster (never raises on link
+        failure), and in ``.errors``, by cluster id, the exception that says why one did not link."""
         self._ready()
         clusters = check_clusters(clusters)
         timeout = check_int("timeout_in_millis", timeout_in_millis, 1, 3_600_000) / 1000
-        return list(await asyncio.gather(*(self._table.link_one(c, timeout) for c in clusters)))
+        errors: dict[int, LLMException] = {}
+        codes = await asyncio.gather(*(self._table.link_one(c, timeout, errors) for c in clusters))
+        return LinkResults(codes, {c.remote_cluster_id: errors[c.remote_cluster_id]
+                                   for c in clusters if c.remote_cluster_id in errors})
 
     async def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000,
                                   force: bool = False) -> list[LLMStatusCode]:

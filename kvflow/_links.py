@@ -29,6 +29,7 @@ from ._status import (
     LLMParamInvalid,
     LLMStatusCode,
     LLMTimeoutError,
+    error_for,
 )
 from ._types import ClusterInfo
 from .transport import Transport
@@ -144,52 +145,69 @@ class LinkTable:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ making links
-    async def link_one(self, info: ClusterInfo, timeout: float) -> LLMStatusCode:
-        """Dial one cluster; its status (never raises on link failure)."""
+    async def link_one(self, info: ClusterInfo, timeout: float,
+                       errors: dict[int, LLMException] | None = None) -> LLMStatusCode:
+        """Dial one cluster; its status (never raises on link failure). Unless it links, the
+        exception that says why goes into ``errors`` under the cluster id."""
         cid = info.remote_cluster_id
-        if len(info.remote_ip_infos) != 1:
-            log.warning("link to cluster %d: exactly one remote_ip_infos entry is needed", cid)
-            return LLMStatusCode.LLM_PARAM_INVALID
-        ip = info.remote_ip_infos[0]
-        try:
-            address = wire_address(ip.ip, ip.port)
-        except LLMParamInvalid as exc:
-            log.warning("link to cluster %d: %s", cid, exc)
-            return LLMStatusCode.LLM_PARAM_INVALID
-        existing = self.links.get(cid)
-        if existing is not None and existing.healthy:
-            return LLMStatusCode.LLM_ALREADY_LINK
-        if cid in self.linking:
-            return LLMStatusCode.LLM_PROCESSING_LINK
-        if cid == self.local.cluster_id:
-            log.warning("refusing to link cluster %d to itself", cid)
-            return LLMStatusCode.LLM_PARAM_INVALID
-        self.linking.add(cid)
-        span = link_span(self.local.cluster_id, cid, address)
-        code, why = LLMStatusCode.LLM_LINK_FAILED, ""
-        try:
-            link = await self._dial_retrying(cid, address, info.local_ip_infos[0].ip if info.local_ip_infos else None,
-                                             timeout)
-        except LLMException as exc:
-            code, why = exc.status_code, str(exc)
-        except asyncio.IncompleteReadError:
-            why = "the peer closed the connection during the handshake"
-        except ConnectionResetError:
-            why = "the peer reset the connection during the handshake"
-        except OSError as exc:
-            why = f"{exc.strerror or type(exc).__name__} ({address[0]}:{address[1]})"
-        except BaseException:
-            end_span(span, "CANCELLED")
-            raise
-        finally:
-            self.linking.discard(cid)
-        if why:
+        code, why = self._link_precheck(info)
+        err: LLMException | None = None
+        if code is None:
+            self.linking.add(cid)
+            address = wire_address(info.remote_ip_infos[0].ip, info.remote_ip_infos[0].port)
+            span = link_span(self.local.cluster_id, cid, address)
+            code, why = LLMStatusCode.LLM_LINK_FAILED, ""
+            try:
+                link = await self._dial_retrying(cid, address,
+                                                 info.local_ip_infos[0].ip if info.local_ip_infos else None, timeout)
+            except LLMException as exc:
+                code, why, err = exc.status_code, str(exc), exc
+            except asyncio.IncompleteReadError:
+                why = "the peer closed the connection during the handshake"
+            except ConnectionResetError:
+                why = "the peer reset the connection during the handshake"
+            except OSError as exc:
+                why = f"{exc.strerror or type(exc).__name__} ({address[0]}:{address[1]})"
+            except BaseException:
+                end_span(span, "CANCELLED")
+                raise
+            finally:
+                self.linking.discard(cid)
+            if not why:
+                self.install(link)
+                end_span(span, None, transport=link.transport)
+                return LLMStatusCode.LLM_SUCCESS
             self._metrics.link_failed(cid, address, code.name, why)
             end_span(span, code.name)
-            return code
-        self.install(link)
-        end_span(span, None, transport=link.transport)
-        return LLMStatusCode.LLM_SUCCESS
+            if err is not None:
+                err.__traceback__ = None  # kept by the caller: no frames of the dial
+        if errors is not None:
+            errors[cid] = err or error_for(code, why)
+        return code
+
+    def _link_precheck(self, info: ClusterInfo) -> tuple[LLMStatusCode | None, str]:
+        """Why ``info`` is not dialed (a status and its message), or (None, "") to dial it."""
+        cid = info.remote_cluster_id
+        if len(info.remote_ip_infos) != 1:
+            why = f"link to cluster {cid}: exactly one remote_ip_infos entry is needed"
+            log.warning("%s", why)
+            return LLMStatusCode.LLM_PARAM_INVALID, why
+        ip = info.remote_ip_infos[0]
+        try:
+            wire_address(ip.ip, ip.port)
+        except LLMParamInvalid as exc:
+            log.warning("link to cluster %d: %s", cid, exc)
+            return LLMStatusCode.LLM_PARAM_INVALID, f"link to cluster {cid}: {exc.args[0]}"
+        existing = self.links.get(cid)
+        if existing is not None and existing.healthy:
+            return LLMStatusCode.LLM_ALREADY_LINK, f"a healthy link to cluster {cid} exists"
+        if cid in self.linking:
+            return LLMStatusCode.LLM_PROCESSING_LINK, f"a link to cluster {cid} is being made right now"
+        if cid == self.local.cluster_id:
+            why = f"refusing to link cluster {cid} to itself"
+            log.warning("%s", why)
+            return LLMStatusCode.LLM_PARAM_INVALID, why
+        return None, ""
 
     async def _dial_retrying(self, cid: int, address: tuple[str, int], local_ip: str | None,
                              timeout: float) -> Link:

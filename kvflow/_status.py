@@ -215,3 +215,24 @@ def error_for(code: int, message: str = "") -> LLMException:
     status = LLMStatusCode.of(code)
     cls = _CLASS_BY_CODE.get(status, LLMException)
     return cls(message, status)
+
+
+class LinkResults(list[LLMStatusCode]):
+    """What ``link_llm_clusters`` returns: one status per cluster, in the order asked (a plain list
+    of codes to code that expects one), and in ``errors``, by remote cluster id, the exception for
+    each cluster that did not link: its ``status_code`` and a message that says what happened
+    ("listener backlog full: ... retried 7 times over 0.98 s until the timeout")."""
+
+    errors: dict[int, LLMException]
+
+    def __init__(self, codes: Any = (), errors: dict[int, LLMException] | None = None) -> None:
+        super().__init__(codes)
+        self.errors = errors if errors is not None else {}
+
+    def __repr__(self) -> str:
+        if not self.errors:
+            return super().__repr__()
+        return f"LinkResults({super().__repr__()}, errors={self.errors!r})"
+
+    def __reduce__(self) -> tuple[type[LinkResults], tuple[list[LLMStatusCode], dict[int, LLMException]]]:
+        return (type(self), (list(self), self.errors))

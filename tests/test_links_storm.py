@@ -15,7 +15,17 @@ import pytest
 import pytest_asyncio
 
 import kvflow._listener as listener
-from kvflow import ClusterInfo, IpInfo, LlmDataDist, LlmRole, LLMStatusCode
+from kvflow import (
+    ClusterInfo,
+    IpInfo,
+    LinkResults,
+    LlmDataDist,
+    LLMLinkBusy,
+    LLMLinkFailed,
+    LLMParamInvalid,
+    LlmRole,
+    LLMStatusCode,
+)
 from kvflow import _wire as wire
 from kvflow._bench_links import run_bench_links
 from kvflow._status import RETRYABLE_CODES
@@ -178,6 +188,39 @@ async def test_link_to_a_listener_busy_past_the_timeout_is_link_busy_saying_so(
     assert "listener backlog full" in why and "retried" in why, why
     assert not any(raw in why for raw in RAW_ERRORS), why
     assert inspect.busy_answers(srv) >= 2
+
+
+async def test_link_results_give_the_caller_each_failed_clusters_exception_saying_what_happened(
+        srv: LlmDataDist, held: list[socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only the log: ``link_llm_clusters``' result carries, per cluster that did not link, the
+    typed exception with the same words."""
+    monkeypatch.setattr(listener, "MAX_HANDSHAKES", 1)
+    await hold_handshakes(srv, 1, held)
+    assert srv.listen_address is not None
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    busy, nobody, me = (ClusterInfo(SRV, [IpInfo(*srv.listen_address)]), ClusterInfo(26, [IpInfo("127.0.0.1", port)]),
+                        ClusterInfo(25, [IpInfo("127.0.0.1", port)]))
+    async with LlmDataDist(25, LlmRole.DECODER, options=TCP) as dd:
+        rets = await dd.link_llm_clusters([busy, nobody, me], 600)
+        assert isinstance(rets, LinkResults) and isinstance(rets, list)
+        assert rets == [LLMStatusCode.LLM_LINK_BUSY, LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_PARAM_INVALID]
+        assert set(rets.errors) == {SRV, 26, 25}
+        err = rets.errors[SRV]
+        assert isinstance(err, LLMLinkBusy) and err.status_code == LLMStatusCode.LLM_LINK_BUSY
+        assert "listener backlog full" in str(err) and "retried" in str(err) and "until the timeout" in str(err), err
+        assert not any(raw in str(err) for raw in RAW_ERRORS), err
+        err = rets.errors[26]
+        assert isinstance(err, LLMLinkFailed) and f"connection refused by 127.0.0.1:{port}" in str(err), err
+        err = rets.errors[25]
+        assert isinstance(err, LLMParamInvalid) and "to itself" in str(err), err
+
+        held.pop().close()  # room for one handshake
+        rets = await dd.link_llm_clusters([busy], 5000)
+        assert rets == [LLMStatusCode.LLM_SUCCESS] and rets.errors == {}
+        rets = await dd.link_llm_clusters([busy], 5000)
+        assert rets == [LLMStatusCode.LLM_ALREADY_LINK] and "healthy link to cluster 1" in str(rets.errors[SRV])
 
 
 async def test_link_retries_a_listener_that_resets_connections_beyond_its_bound(
