@@ -8,7 +8,7 @@ vanished is forgotten. Small batches that a transport can move on the spot skip 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from ._checks import MAX_TIMEOUT_MS, check_int
 from ._deadline import Deadline
@@ -20,10 +20,12 @@ from ._metrics import Metrics
 from ._metrics import now as metrics_now
 from ._plan import Plan
 from ._status import LLMKvCacheNotExist, LLMTimeoutError
-from ._types import CacheIndex
+from ._types import Cache, CacheIndex
 from .transport import RemoteCache, RunBatch
 
 PULL, PUSH = "pull", "push"
+#: Block lists longer than this never take ``blocks_now`` (each entry's type is checked in Python).
+FAST_BLOCKS = 64
 Planner = Callable[[RemoteCache], Plan]
 
 
@@ -119,6 +121,68 @@ class TransferEngine:
             metrics.failed(direction, ci.cluster_id, link, exc, metrics_now() - t0, None)
             raise
         metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, None)
+        return True
+
+    def blocks_now(self, direction: str, ci: CacheIndex, cache: Cache, src_blocks: Any, dst_blocks: Any,
+                   timeout_in_millis: int | None, threaded: bool) -> bool:
+        """The native fast path of a block pull or push over every tensor (no ``ext_param``): when the
+        link's endpoint offers ``blocks_now``, the peer's cache is known, the lists are short lists
+        of plain ints and no trace span is wanted, the endpoint checks, plans and moves the request in
+        one call; counted in ``stats()``, True. Otherwise nothing moved and False: take ``run`` (or
+        ``run_now``), which raises the typed error for bad input. ``threaded``: on a caller's own
+        thread (``kvflow.sync``), under ``GUARD`` as in ``run_now``; else on the loop thread.
+
+        Only the checks that decide whether to try are made here, cheaply; every other one is the
+        endpoint's, which declines what it does not take. ``timeout_in_millis`` is only checked: the
+        copy takes microseconds, like ``read_now``'s."""
+        t = timeout_in_millis
+        if t is not None and (type(t) is not int or not 0 < t <= MAX_TIMEOUT_MS):
+            return False
+        ts, td = type(src_blocks), type(dst_blocks)
+        if (ts is not list and ts is not tuple) or (td is not list and td is not tuple) or type(ci) is not CacheIndex:
+            return False
+        n = len(src_blocks)
+        if not 0 < n <= FAST_BLOCKS or len(dst_blocks) != n:
+            return False
+        if n == 1:
+            if type(src_blocks[0]) is not int or type(dst_blocks[0]) is not int:  # a bool: 0 or 1 in C
+                return False
+        else:
+            for v in src_blocks:
+                if type(v) is not int:
+                    return False
+            for v in dst_blocks:
+                if type(v) is not int:
+                    return False
+        peer, cache_id, b = ci.cluster_id, ci.cache_id, ci.batch_index
+        if type(peer) is not int or type(cache_id) is not int or type(b) is not int or b != 0:
+            return False
+        link = self._table.links.get(peer)
+        if link is None or not isinstance(cache, Cache):
+            return False
+        remote = link.remotes.get(cache_id)
+        endpoint = link.endpoint
+        if remote is None or endpoint is None or (threaded and not endpoint.now_threadsafe):
+            return False
+        local = self._registry.lookup(cache.cache_id)
+        metrics = self.metrics
+        if local is None or metrics.tracing:
+            return False
+        t0 = metrics_now()
+        try:
+            if threaded:
+                with GUARD:
+                    if link.closing or local.closing or link.remotes.get(cache_id) is not remote:
+                        return False
+                    moved = link.check().blocks_now(direction is PUSH, local, remote, src_blocks, dst_blocks)
+            else:
+                moved = link.check().blocks_now(direction is PUSH, local, remote, src_blocks, dst_blocks)
+        except BaseException as exc:
+            metrics.failed(direction, peer, link, exc, metrics_now() - t0, None)
+            raise
+        if moved is None:
+            return False
+        metrics.count(direction, peer, link.transport, moved[0], moved[1], metrics_now() - t0)
         return True
 
     async def _move(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache | None,

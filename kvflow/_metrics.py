@@ -39,6 +39,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
     100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0,
 )
+_FIRST_BOUND = LATENCY_BUCKETS[0]
 #: Upper bounds (seconds) of the layer-wise exposed-time histogram buckets.
 EXPOSED_BUCKETS: tuple[float, ...] = (
     0.0, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 5.0,
@@ -176,10 +177,18 @@ class Metrics:
     # -------------------------------------------------------------- the hot path
     def done(self, op: str, peer: int, transport: str, batch: RunBatch, seconds: float, span: Any) -> None:
         """A transfer finished: count its bytes and runs, observe its latency."""
-        key = (peer, transport, op)
         table = batch.table
         runs = table.shape[1]
         nbytes = table.item(2, 0) if runs == 1 else int(table[2].sum())  # numpy's sum costs ~1 us
+        self.count(op, peer, transport, nbytes, runs, seconds)
+        if span is not None:
+            span.set_attribute("kvflow.bytes", nbytes)
+            span.set_attribute("kvflow.runs", runs)
+            span.end()
+
+    def count(self, op: str, peer: int, transport: str, nbytes: int, runs: int, seconds: float) -> None:
+        """A transfer of ``nbytes`` in ``runs`` runs finished (``done`` without the batch and the span)."""
+        key = (peer, transport, op)
         with self._lock:
             s = self.series.get(key)
             if s is None:
@@ -188,12 +197,8 @@ class Metrics:
             s.bytes += nbytes
             s.runs += runs
             h = s.latency
-            h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            h.counts[0 if seconds <= _FIRST_BOUND else bisect_left(LATENCY_BUCKETS, seconds)] += 1
             h.sum += seconds
-        if span is not None:
-            span.set_attribute("kvflow.bytes", nbytes)
-            span.set_attribute("kvflow.runs", runs)
-            span.end()
 
     def failed(self, op: str, peer: int, link: Link | None, exc: BaseException, seconds: float,
                span: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Coroutine, Mapping, Sequence, TypeVar
 
 from ._datadist import LinkInfo
 from ._datadist import LlmDataDist as _AsyncLlmDataDist
-from ._engine import Request
+from ._engine import PULL, PUSH, Request
 from ._layerwise import CacheTask as _AsyncCacheTask
 from ._layerwise import LayerSynchronizer, TransferConfig
 from ._status import LLMFailed, LLMStatusCode
@@ -302,6 +302,17 @@ class LlmDataDist:
         engine.deadline(timeout_in_millis)  # checked as on the loop, although a copy made here has no deadline
         return engine.run_now(build(*args))
 
+    def _blocks_now(self, direction: str, what: str, timeout_in_millis: int | None, ci: CacheIndex, cache: Cache,
+                    src_blocks: BlockList, dst_blocks: BlockList) -> bool:
+        """The native fast path of a small block transfer (``TransferEngine.blocks_now``) on this thread;
+        False when it does not apply (then ``_now``, then the loop, as before)."""
+        if self._runner.closed or not self._dd._initialized:
+            return False
+        err = _in_running_loop(what)
+        if err is not None:
+            raise err
+        return self._dd._engine.blocks_now(direction, ci, cache, src_blocks, dst_blocks, timeout_in_millis, True)
+
     def _submit(self, what: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
                 **kwargs: Any) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -496,6 +507,9 @@ class LlmDataDist:
                        dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                        timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.pull_kv_blocks`."""
+        if ext_param is None and self._blocks_now(PULL, "pull_kv_blocks", timeout_in_millis, src_cache_index,
+                                                  dst_cache, src_blocks, dst_blocks):
+            return
         args = (src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         if not self._now("pull_kv_blocks", timeout_in_millis, self._dd._pull_blocks, *args):
             self._call("pull_kv_blocks", self._dd.pull_kv_blocks, *args, timeout_in_millis=timeout_in_millis)
@@ -526,6 +540,9 @@ class LlmDataDist:
                        dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                        timeout_in_millis: int | None = None) -> None:
         """Blocking :meth:`kvflow.LlmDataDist.push_kv_blocks`."""
+        if ext_param is None and self._blocks_now(PUSH, "push_kv_blocks", timeout_in_millis, dst_cache_index,
+                                                  src_cache, src_blocks, dst_blocks):
+            return
         args = (src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
         if not self._now("push_kv_blocks", timeout_in_millis, self._dd._push_blocks, *args):
             self._call("push_kv_blocks", self._dd.push_kv_blocks, *args, timeout_in_millis=timeout_in_millis)

@@ -19,7 +19,8 @@ The life of a transport on one ``LlmDataDist``:
    transport in the initiator's preference order that both accept is chosen, then each side calls
    ``connect(peer_info, channel)`` and gets an :class:`Endpoint`.
 5. ``Endpoint.read(batch)`` / ``write(batch)`` move a :class:`RunBatch`; ``close()`` at unlink.
-   ``read_now`` / ``write_now`` (optional) move a tiny batch on the spot, with no deadline.
+   ``read_now`` / ``write_now`` (optional) move a tiny batch on the spot, with no deadline;
+   ``blocks_now`` (optional) checks, plans and moves a small block transfer in one go.
 
 Rules every transport keeps (``kvflow.testing.check_transport`` checks them):
 
@@ -262,6 +263,18 @@ class Endpoint(abc.ABC):
     def write_now(self, batch: RunBatch) -> bool:
         """``read_now`` for ``write``."""
         return False
+
+    def blocks_now(self, write: bool, local: LocalCache, remote: RemoteCache, src_blocks: list[int] | tuple[int, ...],
+                   dst_blocks: list[int] | tuple[int, ...]) -> tuple[int, int] | None:
+        """Optional fastest path of a block transfer over every tensor (no ``ext_param``): check, plan
+        and move it on the calling thread at once, and return (bytes moved, runs); or move nothing
+        and return None, and the core plans in Python and calls ``read_now`` / ``read``. ``write``:
+        push ``local`` to ``remote``, else pull. The block lists hold plain ints (the core checked
+        their types, nothing else): every other check is the transport's, and any request it does
+        not take, bad input included, is declined: the core's planner then raises the typed error.
+        The planning rules must be the core's (``kvflow._plan.plan_blocks``). Same threading and
+        size rules as ``read_now``."""
+        return None
 
     def peer_exited(self) -> bool:
         """True once the peer process is known to have exited (so it can no longer touch our memory),

@@ -66,6 +66,7 @@ _RENDEZVOUS_S = 5.0  # a paired Unix connection must show its binding within thi
 _MAX_PAIRING = 4096
 _RETRY_FIRST_S = 0.001  # first pause of a dialer that found the rendezvous backlog full; doubles per try
 _RETRY_MAX_S = 0.1
+_MAX_PAIRS = 1024  # (remote, local) cache pairs described for blocks_now per endpoint; then start over
 
 
 def _read(path: str) -> str:
@@ -355,6 +356,8 @@ class ShmEndpoint(Endpoint):
         self._watching = False
         self._exited = False
         self._out = ll.scratch()  # for copies on the loop thread
+        # (remote, local cache id) -> (local, remote, blocks_now's description or None: never applies)
+        self._pairs: dict[tuple[int, int], tuple[LocalCache, RemoteCache, ll.Pair | None]] = {}
         self._loop_thread = threading.get_ident()
         if pidfd is not None:
             try:
@@ -385,6 +388,62 @@ class ShmEndpoint(Endpoint):
 
     def write_now(self, batch: RunBatch) -> bool:
         return self.read_now(batch, True)
+
+    def blocks_now(self, write: bool, local: LocalCache, remote: RemoteCache, src_blocks: list[int] | tuple[int, ...],
+                   dst_blocks: list[int] | tuple[int, ...]) -> tuple[int, int] | None:
+        """Check, plan and copy a block transfer over every tensor in one C call (``ll.transfer_blocks``);
+        None when it declines (then the core plans in Python: a typed error, or ``read_now``/``read``)."""
+        if self._closed is not None:
+            return None  # the core's path raises
+        entry = self._pairs.get((remote.cache_id, local.cache_id))
+        if entry is None or entry[0] is not local or entry[1] is not remote:
+            entry = self._pair(local, remote)
+        pair = entry[2]
+        if pair is None:
+            return None
+        out = self._out if threading.get_ident() == self._loop_thread else ll.scratch()
+        try:
+            n = len(src_blocks)
+            if n == 1 and len(dst_blocks) == 1:  # the common tiny pull: no lists to convert
+                r = pair.copy1(write, src_blocks[0], dst_blocks[0], out)
+            else:
+                r = pair.copy(write, src_blocks, n, dst_blocks, len(dst_blocks), out)
+            if r > 0:
+                return r, out[1]
+            if not ll.blocks_result(pair, r, write, out):
+                return None
+        except OverflowError:  # an index beyond int64: the core's path says so
+            return None
+        except LLMLinkFailed as exc:
+            self._broken(exc)
+            raise
+        raise AssertionError("kvf_blocks moved nothing without an error")  # pragma: no cover
+
+    def _pair(self, local: LocalCache, remote: RemoteCache) -> tuple[LocalCache, RemoteCache, ll.Pair | None]:
+        """The C description of (local, remote) for ``blocks_now``, None where the fast path never
+        applies (tensor counts or block sizes differ, device memory: the core's path says why)."""
+        key = (remote.cache_id, local.cache_id)
+        ld, rd = local.desc, remote.desc
+        if (ld.num_tensors != rd.num_tensors or ld.stride != rd.stride or len(local.regions) != ld.num_tensors
+                or len(remote.regions) != rd.num_tensors or rd.placement != Placement.HOST):
+            pair = None
+        else:
+            try:
+                lregs, rregs = self._transport._local_regions(local), _remote_regions(remote)
+            except LLMParamInvalid:
+                pair = None
+            else:
+                pair = ll.Pair(self.pid, ld.stride, ld.num_blocks, rd.num_blocks, lregs, rregs,
+                               self._transport.inline_bytes)
+        if len(self._pairs) >= _MAX_PAIRS:
+            self._pairs.clear()
+        entry = self._pairs[key] = (local, remote, pair)
+        return entry
+
+    def forget_local(self, cache_id: int) -> None:
+        """Drop the pairs of local cache ``cache_id`` (unregistered)."""
+        for key in [k for k in self._pairs if k[1] == cache_id]:
+            del self._pairs[key]
 
     async def read(self, batch: RunBatch) -> None:
         await self._run(False, batch)
@@ -526,6 +585,8 @@ class ShmTransport(Transport):
 
     def unregister(self, cache: LocalCache) -> None:
         self._local.pop(cache.cache_id, None)
+        for ep in self._endpoints:
+            ep.forget_local(cache.cache_id)
 
     def _local_regions(self, cache: LocalCache) -> ll.Regions:
         entry = self._local.get(cache.cache_id)

@@ -9,6 +9,7 @@ Failures raise kvflow exceptions; ``OSError`` and cffi errors never escape.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
 from typing import Any
@@ -24,23 +25,33 @@ from kvflow import (
 )
 
 __all__ = [
+    "FAST_MAX_BLOCKS",
     "IOV_MAX",
     "MAX_CHUNK",
     "CopyStopped",
+    "Pair",
     "Regions",
     "RunOutOfBounds",
     "StopFlag",
+    "blocks_result",
     "error_for_errno",
     "native_error",
+    "plan_blocks",
     "probe_read",
     "ptrace_hint",
     "scratch",
     "transfer",
+    "transfer_blocks",
     "transfer_table",
     "vm_copy",
 ]
 
 IOV_MAX = 1024
+#: Block lists longer than this never take the one-call fast path (:func:`transfer_blocks`).
+FAST_MAX_BLOCKS = 64
+#: Nor do transfers of more runs than this: an iovec costs about 0.6 µs in the syscall, and the
+#: copy runs on the caller's (the event loop's) thread.
+FAST_MAX_RUNS = 256
 #: Bytes per syscall at most; the stop flag is polled between syscalls.
 MAX_CHUNK = 8 << 20
 
@@ -256,6 +267,81 @@ def _failed(lib: Any, code: int, write: bool, pid: int, out: Any) -> int:
         raise CopyStopped(int(out[0]))
     op = "process_vm_writev" if write else "process_vm_readv"
     raise error_for_errno(code, op, pid, int(out[0]), int(out[2]))
+
+
+class Pair:
+    """One (local cache, remote cache) pair over one link, described once for :func:`transfer_blocks`:
+    the peer's pid, the block size and count of each side, and each side's tensor regions (base,
+    size) in tensor order, which every run is checked against (local: what we registered; remote:
+    what the peer described). Tensor ``t`` pairs with tensor ``t``: both sides have as many."""
+
+    __slots__ = ("_keep", "c", "copy", "copy1")
+
+    def __init__(self, pid: int, stride: int, local_blocks: int, remote_blocks: int, local: Regions,
+                 remote: Regions, inline_limit: int) -> None:
+        ffi, _ = _native()
+        if local.n != remote.n or local.n == 0:
+            raise LLMParamInvalid(f"a pair needs as many tensors on both sides, got {local.n} and {remote.n}")
+        c = ffi.new("struct kvf_pair *")
+        c.pid = pid
+        c.ntensors = local.n
+        c.stride = stride
+        c.lblocks = local_blocks
+        c.rblocks = remote_blocks
+        c.lbase, c.lsize, c.rbase, c.rsize = local._cb, local._cs, remote._cb, remote._cs
+        c.inline_limit = min(inline_limit, _NO_LIMIT)
+        c.max_runs = FAST_MAX_RUNS
+        self.c = c
+        self._keep = (local, remote)  # the C struct points into their arrays
+        #: ``kvf_blocks`` bound to this pair: ``copy(write, src, len(src), dst, len(dst), out)``, with
+        #: no Python frame in between (see :func:`transfer_blocks` for what it returns)
+        self.copy = functools.partial(_lib.kvf_blocks, c)
+        #: ``kvf_block1`` bound to this pair: ``copy1(write, src, dst, out)`` for a single block
+        self.copy1 = functools.partial(_lib.kvf_block1, c)
+
+
+def transfer_blocks(pair: Pair, write: bool, src: list[int], dst: list[int], out: Any) -> int:
+    """Check, plan and copy a block transfer over every tensor of ``pair`` in one C call:
+    ``src[i]`` to ``dst[i]`` (pull: remote to local; push, ``write``: local to remote). The lists
+    must hold plain ints (the caller checks ``type(b) is int``: a bool would pass as 0 or 1).
+
+    Returns the bytes moved (the runs are in ``out[1]``), or 0 when the fast path declines (bad
+    input or a batch too large for it): then nothing moved, and the caller takes the Python path,
+    which raises the typed error or moves the batch elsewhere. Raises like :func:`transfer` when the
+    copy itself fails. ``out``: a :func:`scratch`. The hot path calls ``pair.copy`` itself and
+    :func:`blocks_result` only when it did not return a positive count."""
+    try:
+        if len(src) == 1 and len(dst) == 1:
+            r = pair.copy1(write, src[0], dst[0], out)
+        else:
+            r = pair.copy(write, src, len(src), dst, len(dst), out)
+    except OverflowError:  # an index beyond int64
+        return 0
+    return r if r > 0 else blocks_result(pair, r, write, out)
+
+
+def blocks_result(pair: Pair, r: int, write: bool, out: Any) -> int:
+    """What a ``pair.copy`` result ``r`` that is not positive means: 0 if declined, else the error."""
+    if r == -_lib.KVF_DECLINED:
+        return 0
+    return _failed(_lib, -r, write, pair.c.pid, out)
+
+
+def plan_blocks(pair: Pair, write: bool, src: list[int], dst: list[int]) -> np.ndarray | None:
+    """The runs that :func:`transfer_blocks` would move, as a (5, n) ``RunBatch`` table (local
+    address, remote address, length, local tensor, remote tensor), or None when it would decline.
+    Moves nothing: for tests that hold the C planner to kvflow's."""
+    ffi, lib = _native()
+    cap = IOV_MAX
+    rows = np.zeros((4, cap), dtype=np.uint64)
+    ptrs = [ffi.from_buffer("uint64_t[]", rows[i]) for i in range(4)]
+    try:
+        n = lib.kvf_plan_blocks(pair.c, 1 if write else 0, src, len(src), dst, len(dst), *ptrs, cap)
+    except OverflowError:
+        return None
+    if n < 0:
+        return None
+    return np.stack([rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n], rows[3, :n]])
 
 
 def vm_copy(pid: int, write: bool, local: np.ndarray, remote: np.ndarray, lens: np.ndarray, *,
