@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._options import parse_address
-from ._plan import block_list, has_duplicates, side_tensors
+from ._plan import Steps, block_list_steps, duplicates_steps, is_long, run_steps, side_tensors
 from ._status import LLMClusterNumExceedLimit, LLMParamInvalid
 from ._types import CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam
 
@@ -42,13 +42,29 @@ def check_index(ci: CacheIndex, blocks: bool) -> CacheIndex:
 def blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,
                     local_is_src: bool) -> None:
     """The checks of a block transfer that need only the local cache."""
+    run_steps(_blocks_precheck(desc, local_blocks, remote_blocks, ext, local_is_src))
+
+
+def blocks_precheck_steps(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,
+                          local_is_src: bool) -> Steps | None:
+    """``blocks_precheck`` done at once (None), or for long block lists returned as steps
+    (``kvflow._plan``) that the caller must run."""
+    steps = _blocks_precheck(desc, local_blocks, remote_blocks, ext, local_is_src)
+    if is_long(local_blocks) or is_long(remote_blocks):
+        return steps
+    run_steps(steps)
+    return None
+
+
+def _blocks_precheck(desc: CacheDesc, local_blocks: Any, remote_blocks: Any, ext: KvCacheExtParam | None,
+                     local_is_src: bool) -> Steps:
     side_tensors(ext, desc, local_is_src)
-    lb = block_list(local_blocks, desc.num_blocks, "src_blocks" if local_is_src else "dst_blocks")
-    rb = block_list(remote_blocks, 1 << 62, "dst_blocks" if local_is_src else "src_blocks")
+    lb = yield from block_list_steps(local_blocks, desc.num_blocks, "src_blocks" if local_is_src else "dst_blocks")
+    rb = yield from block_list_steps(remote_blocks, 1 << 62, "dst_blocks" if local_is_src else "src_blocks")
     if lb.size != rb.size:
         raise LLMParamInvalid(f"src_blocks has {(lb if local_is_src else rb).size} entries, "
                               f"dst_blocks has {(rb if local_is_src else lb).size}")
-    if not local_is_src and has_duplicates(lb, desc.num_blocks):
+    if not local_is_src and (yield from duplicates_steps(lb, desc.num_blocks)):
         raise LLMParamInvalid("dst_blocks names a block more than once")
 
 

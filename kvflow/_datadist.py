@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 from . import _handshake as handshake
 from . import _keys as keys
 from . import _notes as notes
-from ._checks import blocks_precheck, cache_precheck, check_clusters, check_index, check_int
+from ._checks import blocks_precheck_steps, cache_precheck, check_clusters, check_index, check_int
 from ._compat import TIMEOUT_ERRORS
 from ._compat import timeout as timeout_after
 from ._discovery import load_transport
@@ -376,7 +376,7 @@ class LlmDataDist:
                                ext_param, False)
 
         return (PULL, ci, local, plan,
-                lambda: blocks_precheck(local.desc, dst_blocks, src_blocks, ext_param, False))
+                lambda: blocks_precheck_steps(local.desc, dst_blocks, src_blocks, ext_param, False))
 
     def _push_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int, size: int,
                     ext_param: KvCacheExtParam | None) -> Request:
@@ -402,7 +402,7 @@ class LlmDataDist:
                                ext_param)
 
         return (PUSH, ci, local, plan,
-                lambda: blocks_precheck(local.desc, src_blocks, dst_blocks, ext_param, True))
+                lambda: blocks_precheck_steps(local.desc, src_blocks, dst_blocks, ext_param, True))
 
     # ------------------------------------------------------------------ layer-wise push
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,

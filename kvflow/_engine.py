@@ -8,7 +8,7 @@ vanished is forgotten. Small batches that a transport can move on the spot skip 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from ._checks import MAX_TIMEOUT_MS, check_int
 from ._deadline import Deadline
@@ -18,7 +18,7 @@ from ._links import LinkTable
 from ._memory import LocalCache, Registry
 from ._metrics import Metrics
 from ._metrics import now as metrics_now
-from ._plan import Plan
+from ._plan import PIECE_RUNS, Plan, Steps, run_steps_async
 from ._status import LLMKvCacheNotExist, LLMTimeoutError
 from ._types import Cache, CacheIndex
 from .transport import RemoteCache, RunBatch
@@ -32,8 +32,55 @@ Planner = Callable[[RemoteCache], Plan]
 #: One pull or push of blocks or slots, checked as far as local state allows: (direction, the peer's
 #: cache index, the local cache, the planner, the precheck). The precheck holds the checks that need
 #: only the local cache; they run before the peer is first asked for its cache (once it is known, the
-#: planner checks everything). A plain tuple: a NamedTuple costs 0.27 µs per 4 KiB pull to build.
-Request = tuple[str, CacheIndex, LocalCache, Planner, Callable[[], None]]
+#: planner checks everything; for long block lists it returns them as steps to run, ``kvflow._plan``).
+#: A plain tuple: a NamedTuple costs 0.27 µs per 4 KiB pull to build.
+Request = tuple[str, CacheIndex, LocalCache, Planner, Callable[[], Steps | None]]
+
+
+#: Batches of a large plan in flight at once: the next is made and handed over while one moves.
+DEPTH = 2
+
+
+async def _move_pieces(move: Callable[[RunBatch], Awaitable[None]], plan: Plan, local: LocalCache,
+                       remote: RemoteCache, a: int, b: int) -> None:
+    """Move runs ``a..b-1`` of ``plan`` as batches of at most ``PIECE_RUNS`` runs, ``DEPTH`` at a time:
+    each table is made just before its batch starts (memory: ``DEPTH + 1`` tables), and no call of
+    the transport's sees more than ``PIECE_RUNS`` runs (its per-batch work stays short).
+
+    Returns or raises only once no batch is in flight: on failure or cancellation the others are
+    cancelled and awaited, and each transport's ``read`` re-raises only once no byte of it can land."""
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for c in range(a, b, PIECE_RUNS):
+            batch = plan.batch(local, remote, c, min(b, c + PIECE_RUNS))
+            tasks.append(asyncio.ensure_future(move(batch)))
+            if len(tasks) >= DEPTH:
+                await tasks[0]
+                del tasks[0]
+        while tasks:
+            await tasks[0]
+            del tasks[0]
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:  # through any further cancellation: nothing may still be moving when we raise
+            while not t.done():
+                try:
+                    await asyncio.wait((t,))
+                except asyncio.CancelledError:
+                    continue
+            if not t.cancelled():
+                t.exception()  # retrieved: the first failure is what the caller sees
+        raise
+
+
+def _done(metrics: Metrics, direction: str, peer: int, transport: str, moved: RunBatch | Plan, seconds: float,
+          span: Any) -> None:
+    """Count a finished transfer: a batch, or a plan moved in batches."""
+    if isinstance(moved, RunBatch):
+        metrics.done(direction, peer, transport, moved, seconds, span)
+    else:
+        metrics.done_runs(direction, peer, transport, len(moved), moved.nbytes, seconds, span)
 
 
 class RunningTask(Protocol):
@@ -73,24 +120,28 @@ class TransferEngine:
         link = self._table.links.get(ci.cluster_id)
         try:
             remote = link.remotes.get(ci.cache_id) if link is not None else None
-            batch = None
+            batch = plan = None
             if remote is not None:
                 assert link is not None
                 endpoint = link.check()
-                batch = planner(remote).batch(local, remote)
-                # no pin/begin needed: nothing (an unregister, a peer's "gone") runs during this call
-                if endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch):
-                    metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
-                    return
+                plan = planner(remote)
+                if plan.whole:
+                    batch = plan.batch(local, remote)
+                    # no pin/begin needed: nothing (an unregister, a peer's "gone") runs during this call
+                    if endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch):
+                        metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+                        return
             else:
-                precheck()
+                steps = precheck()
+                if steps is not None:  # long block lists: checked in slices
+                    await run_steps_async(steps)
                 link = self._table.get(ci.cluster_id)
-            batch = await self._move(direction, ci, link, local, remote, batch, planner, timeout)
+            moved = await self._move(direction, ci, link, local, remote, batch, plan, planner, timeout)
         except BaseException as exc:
             metrics.failed(direction, ci.cluster_id, self._table.links.get(ci.cluster_id), exc, metrics_now() - t0,
                            span)
             raise
-        metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+        _done(metrics, direction, ci.cluster_id, link.transport, moved, metrics_now() - t0, span)
 
     def run_now(self, req: Request) -> bool:
         """On a caller's own thread (``kvflow.sync``): move the batch at once and return True when the
@@ -186,26 +237,43 @@ class TransferEngine:
         return True
 
     async def _move(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache | None,
-                    batch: RunBatch | None, planner: Planner | None, timeout: float) -> RunBatch:
-        """Pin, arm the deadline, look the peer's cache up and plan if need be, move, unpin."""
+                    batch: RunBatch | None, plan: Plan | None, planner: Planner | None, timeout: float,
+                    part: tuple[int, int] | None = None) -> RunBatch | Plan:
+        """Pin, arm the deadline, look the peer's cache up and plan if need be, move, unpin. A plan that
+        is still pending is made in slices; one of more than ``PIECE_RUNS`` runs (or its columns
+        ``part``) moves in batches of that many (``_move_pieces``)."""
         local.pin()
         deadline = Deadline(timeout)
         try:
             if remote is None:
                 remote = await link.remote_cache(ci.cache_id, timeout)
             if batch is None:
-                assert planner is not None
-                batch = planner(remote).batch(local, remote)
+                if plan is None:
+                    assert planner is not None
+                    plan = planner(remote)
+                if plan.pending:
+                    await run_steps_async(plan.steps())
+                a, b = part if part is not None else (0, len(plan))
+                if b - a <= PIECE_RUNS:
+                    batch = plan.batch(local, remote, a, b)
             endpoint = link.check()
             remote.begin()
             try:
-                if direction is PULL:
-                    await endpoint.read(batch)
+                if batch is not None:
+                    if direction is PULL:
+                        await endpoint.read(batch)
+                    else:
+                        await endpoint.write(batch)
                 else:
-                    await endpoint.write(batch)
+                    assert plan is not None
+                    await _move_pieces(endpoint.read if direction is PULL else endpoint.write, plan, local, remote,
+                                       a, b)
             finally:
                 remote.end()
-            return batch
+            if batch is not None:
+                return batch
+            assert plan is not None
+            return plan
         except asyncio.CancelledError:
             if deadline.stop():
                 raise LLMTimeoutError(
@@ -228,6 +296,9 @@ class TransferEngine:
         deadline = Deadline(timeout)
         try:
             remote = await link.remote_cache(ci.cache_id, timeout)
+            plan = planner(remote)
+            if plan.pending:  # long block lists: made in slices, within the same deadline
+                await run_steps_async(plan.steps())
         except asyncio.CancelledError:
             if deadline.stop():
                 raise LLMTimeoutError(f"cluster {ci.cluster_id} did not describe cache {ci.cache_id} within "
@@ -235,11 +306,12 @@ class TransferEngine:
             raise
         finally:
             deadline.stop()
-        return link, remote, planner(remote)
+        return link, remote, plan
 
-    async def push_runs(self, link: Link, ci: CacheIndex, local: LocalCache, remote: RemoteCache, batch: RunBatch,
-                        timeout: float) -> None:
-        """Push some planned runs of a ``transfer_cache_async`` config, counted in ``stats()`` as a push."""
+    async def push_runs(self, link: Link, ci: CacheIndex, local: LocalCache, remote: RemoteCache, plan: Plan,
+                        part: tuple[int, int], timeout: float) -> None:
+        """Push the runs ``part`` (columns a..b-1) of a ``transfer_cache_async`` config's plan, counted
+        in ``stats()`` as a push."""
         metrics = self.metrics
         span = metrics.start_span(PUSH, ci.cluster_id, ci.cache_id)
         t0 = metrics_now()
@@ -250,11 +322,17 @@ class TransferEngine:
                 raise LLMKvCacheNotExist(f"cache {ci.cache_id} on cluster {ci.cluster_id} was unregistered "
                                          "during the transfer")
             link.check()
-            await self._move(PUSH, ci, link, local, remote, batch, None, timeout)
+            a, b = part
+            batch = plan.batch(local, remote, a, b) if b - a <= PIECE_RUNS else None
+            await self._move(PUSH, ci, link, local, remote, batch, plan, None, timeout, part)
         except BaseException as exc:
             metrics.failed(PUSH, ci.cluster_id, link, exc, metrics_now() - t0, span)
             raise
-        metrics.done(PUSH, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+        if batch is not None:
+            metrics.done(PUSH, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
+        else:
+            metrics.done_runs(PUSH, ci.cluster_id, link.transport, b - a, plan.nbytes_of(a, b), metrics_now() - t0,
+                              span)
 
     def abort_tasks(self, reason: str) -> None:
         """Stop every running layer-wise task (at finalize), as ``cancel()`` does."""

@@ -362,7 +362,7 @@ class CacheTask:
         loop = self._loop
         link, remote, plan = await self._engine.target(d.ci, d.planner, self._deadline - loop.time())
         n = self._per_layer
-        bounds = np.searchsorted(plan.src_tensor, np.arange(d.layers[0], d.layers[-1] + 2) * n).tolist()
+        bounds = plan.tensor_columns(np.arange(d.layers[0], d.layers[-1] + 2) * n)
         while d.status is None:
             while d.ready == d.sent and not self._sync_over and self._stop is None and d.status is None:
                 d.wake.clear()
@@ -371,13 +371,12 @@ class CacheTask:
                 return
             k0, k1 = d.sent, d.ready  # every layer that is ready and not yet sent, in one batch
             a, b = bounds[k0], bounds[k1]
-            batch = plan.batch(self._local, remote)[a:b]
             remaining = self._deadline - loop.time()
             if remaining <= 0:
                 raise self._timeout(f"layers {d.layers[k0]}..{d.layers[k1 - 1]} were not sent")
             d.busy = True
             try:
-                await self._engine.push_runs(link, d.ci, self._local, remote, batch, remaining)
+                await self._engine.push_runs(link, d.ci, self._local, remote, plan, (a, b), remaining)
             finally:
                 d.busy = False
             if d.status is not None:  # failed meanwhile (synchronizer): the layers count for nothing

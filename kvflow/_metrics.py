@@ -220,6 +220,25 @@ class Metrics:
         event("transfer_failed", logging.DEBUG if quiet else logging.INFO, cluster=self.cluster_id, peer=peer,
               op=op, transport=transport or "-", status=name, ms=round(seconds * 1e3, 3), error=str(exc)[:200])
 
+    def done_runs(self, op: str, peer: int, transport: str, runs: int, nbytes: int, seconds: float,
+                  span: Any) -> None:
+        """``done`` for a transfer given by its counts (a large plan moved in several batches)."""
+        key = (peer, transport, op)
+        with self._lock:
+            s = self.series.get(key)
+            if s is None:
+                s = self.series[key] = OpStats()
+            s.transfers += 1
+            s.bytes += nbytes
+            s.runs += runs
+            h = s.latency
+            h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            h.sum += seconds
+        if span is not None:
+            span.set_attribute("kvflow.bytes", nbytes)
+            span.set_attribute("kvflow.runs", runs)
+            span.end()
+
     @property
     def tracing(self) -> bool:
         """Whether transfers get trace spans (``opentelemetry-api`` and an installed provider)."""

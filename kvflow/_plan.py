@@ -3,13 +3,24 @@
 Block ``b`` of tensor ``t`` starts at ``addrs[t] + b * stride``. Layer ``l`` is tensors
 ``[l*N, (l+1)*N)``. Block pairs that advance together on both sides are merged into one run;
 every index and size is checked here, before a byte moves.
+
+Large requests never hold the caller's event loop for long (issue 13): planning is written as
+*steps*, a generator that yields between pieces of at most about 0.2 ms of work (block lists are
+converted ``STEP`` entries at a time) and may yield a ``(function, argument)`` pair for work that
+releases the GIL (a sort), which the event loop's driver runs on a worker thread. A plan of more
+than ``PIECE_RUNS`` runs is kept compact (one address per tensor, one offset per run) and turned
+into run tables ``PIECE_RUNS`` columns at a time, as the engine moves it: memory stays
+O(tensors + blocks), not O(tensors x blocks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import operator
+import time
+from collections.abc import Generator
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 
@@ -106,6 +117,90 @@ def block_list(blocks: Any, num_blocks: int, what: str) -> np.ndarray:
     return arr
 
 
+#: Entries of a Python block list converted, or blocks handled, per step (about 0.1-0.2 ms; the whole of
+#: a 100k-entry list took 2-4 ms).
+STEP = 4096
+#: Block lists longer than this are planned in steps that the event loop interleaves with its other work.
+DEFER_BLOCKS = 2048
+#: A plan of more runs than this is kept compact and moved in batches of at most this many runs.
+PIECE_RUNS = 16384
+
+#: What planning steps yield: None (a point where the loop may run other callbacks), or a function and
+#: its argument to run where the GIL is not needed (the driver runs it on a worker thread).
+Step = Union[None, tuple[Callable[[Any], Any], Any]]
+Steps = Generator[Step, Any, Any]
+
+
+def run_steps(steps: Steps) -> Any:
+    """Drive planning steps on this thread at once; their result."""
+    try:
+        item = next(steps)
+        while True:
+            item = steps.send(None if item is None else item[0](item[1]))
+    except StopIteration as stop:
+        return stop.value
+
+
+#: How long the event loop's driver runs planning steps before it lets other callbacks run.
+SLICE_S = 250e-6
+
+
+async def run_steps_async(steps: Steps) -> Any:
+    """Drive planning steps on the running event loop: other callbacks run between slices of about
+    ``SLICE_S``, and work that releases the GIL runs on the loop's default executor; their result."""
+    loop = asyncio.get_running_loop()
+    t = time.perf_counter()
+    try:
+        item = next(steps)
+        while True:
+            result = None
+            if item is not None:
+                result = await loop.run_in_executor(None, item[0], item[1])
+                t = time.perf_counter()
+            elif time.perf_counter() - t > SLICE_S:
+                await asyncio.sleep(0)
+                t = time.perf_counter()
+            item = steps.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+def block_list_steps(blocks: Any, num_blocks: int, what: str) -> Steps:
+    """``block_list`` in steps: a long Python list is converted ``STEP`` entries at a time."""
+    if not isinstance(blocks, (list, tuple)) or len(blocks) <= STEP:
+        return block_list(blocks, num_blocks, what)
+    out = np.empty(len(blocks), dtype=np.int64)
+    for i in range(0, len(blocks), STEP):
+        yield None
+        out[i:i + STEP] = block_list(blocks[i:i + STEP], num_blocks, what)  # each part checked in full
+    return out
+
+
+def duplicates_steps(blocks: np.ndarray, num_blocks: int) -> Steps:
+    """``has_duplicates`` in steps: ``STEP`` blocks at a time, each written into a table of the cache's
+    blocks with its position (a block seen twice finds another position there, or loses its own);
+    the sort of a list much smaller than its cache runs on a thread."""
+    yield None
+    n = blocks.size
+    if n <= STEP:
+        return has_duplicates(blocks, num_blocks)
+    if num_blocks <= 64 * n + 4096:
+        pos = np.zeros(num_blocks, dtype=np.int32 if n < 1 << 31 else np.int64)
+        for i in range(0, n, STEP):
+            yield None
+            part = blocks[i:i + STEP]
+            if pos[part].any():  # a block of an earlier part
+                return True
+            ids = np.arange(i + 1, i + 1 + part.size, dtype=pos.dtype)
+            pos[part] = ids
+            if not np.array_equal(pos[part], ids):  # a block twice within this part: one write lost
+                return True
+        return False
+    s = yield (np.sort, blocks)  # numpy's sort releases the GIL: 100k blocks took 3.8 ms
+    yield None
+    return bool((s[1:] == s[:-1]).any())
+
+
 def has_duplicates(blocks: np.ndarray, num_blocks: int) -> bool:
     """Whether a checked block list (``block_list``) names a block twice: a count per block when the
     cache is not much larger than the list (tens of µs for 16k blocks), else a sort. ``np.unique``
@@ -126,6 +221,43 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     starts = np.concatenate(([0], brk))
     counts = np.diff(np.concatenate((starts, [src.size])))
     return src[starts], dst[starts], counts
+
+
+def coalesce_steps(src: np.ndarray, dst: np.ndarray) -> Steps:
+    """``coalesce`` in steps of ``STEP`` pairs (100k pairs at once took 0.4-0.9 ms)."""
+    n, ch = src.size, STEP
+    if n <= ch:
+        return coalesce(src, dst)
+    parts = [np.zeros(1, dtype=np.int64)]
+    for i in range(1, n, ch):  # pairs i..j-1 that do not continue the pair before them
+        j = min(n, i + ch)
+        yield None
+        parts.append(np.flatnonzero((src[i:j] - src[i - 1:j - 1] != 1) | (dst[i:j] - dst[i - 1:j - 1] != 1)) + i)
+    yield None
+    starts = np.concatenate(parts)
+    yield None
+    s0, d0, cnt = np.empty_like(starts), np.empty_like(starts), np.empty_like(starts)
+    ends = np.append(starts[1:], n) if starts.size <= ch else None
+    for i in range(0, starts.size, ch):
+        yield None
+        idx = starts[i:i + ch]
+        s0[i:i + ch] = src[idx]
+        d0[i:i + ch] = dst[idx]
+        nxt = ends[i:i + ch] if ends is not None else np.append(starts[i + 1:i + ch + 1], n)[:idx.size]
+        cnt[i:i + ch] = nxt - idx
+    return s0, d0, cnt
+
+
+def _scaled_steps(a: np.ndarray, k: int) -> Steps:
+    """``a`` as uint64 times ``k``, ``STEP`` entries per step."""
+    out = np.empty(a.size, dtype=np.uint64)
+    for i in range(0, a.size, STEP):
+        if a.size > STEP:
+            yield None
+        part = out[i:i + STEP]
+        part[:] = a[i:i + STEP]
+        part *= np.uint64(k)
+    return out
 
 
 _U64 = np.dtype(np.uint64)
@@ -167,30 +299,165 @@ def coalesce_small(src: list[int], dst: list[int], stride: int) -> tuple[list[in
 
 
 class Plan:
-    """Runs between a source and a destination cache, as one (5, n) uint64 table in the row order
+    """Runs between a source and a destination cache, as a (5, n) uint64 table in the row order
     of :class:`~kvflow.transport.RunBatch`: local address, remote address, length, local tensor,
-    remote tensor (``local_is_src`` says which side is local)."""
+    remote tensor (``local_is_src`` says which side is local).
 
-    __slots__ = ("local_is_src", "table")
+    A plan of more than ``PIECE_RUNS`` runs keeps only its factors (each selected tensor pair's
+    start addresses, each run's offsets and length: column ``i * runs + j`` is run ``j`` of pair
+    ``i``) and makes tables of columns on demand (:meth:`batch`). A plan still being made
+    (``pending``) holds the steps that make it: :meth:`steps` runs them where a loop can interleave
+    them, anything else runs them at once."""
 
-    def __init__(self, table: np.ndarray, local_is_src: bool) -> None:
-        self.table = table
+    __slots__ = ("_factors", "_pending", "_table", "local_is_src")
+
+    def __init__(self, table: np.ndarray | None, local_is_src: bool) -> None:
+        self._table = table
         self.local_is_src = local_is_src
+        self._factors: tuple[np.ndarray, ...] | None = None
+        self._pending: Steps | None = None
+
+    @classmethod
+    def deferred(cls, steps: Steps, local_is_src: bool) -> Plan:
+        """A plan that ``steps`` make (their result is a Plan)."""
+        plan = cls(None, local_is_src)
+        plan._pending = steps
+        return plan
+
+    @property
+    def pending(self) -> bool:
+        """Whether the plan is still to be made (checks included: making it may raise)."""
+        return self._pending is not None
+
+    def steps(self) -> Steps:
+        """The steps that make this plan (none once made); afterwards it is complete."""
+        steps = self._pending
+        if steps is None:
+            return
+        self._pending = None
+        done = yield from steps
+        self._adopt(done)
+
+    def _adopt(self, done: Plan) -> None:
+        self._table, self._factors = done._table, done._factors
+
+    def _made(self) -> None:
+        if self._pending is not None:
+            steps, self._pending = self._pending, None
+            self._adopt(run_steps(steps))
 
     @classmethod
     def build(cls, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
               src_t: np.ndarray, dst_t: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray,
               run_bytes: np.ndarray, local_is_src: bool) -> Plan:
-        """Every selected tensor pair times every run (vectorised)."""
+        """Every selected tensor pair times every run (vectorised; a large plan kept as factors)."""
+        return run_steps(cls.build_steps(src_addrs, src_stride, dst_addrs, dst_stride, src_t, dst_t, src_start,
+                                         dst_start, run_bytes, local_is_src))
+
+    @classmethod
+    def build_steps(cls, src_addrs: np.ndarray, src_stride: int, dst_addrs: np.ndarray, dst_stride: int,
+                    src_t: np.ndarray, dst_t: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray,
+                    run_bytes: np.ndarray, local_is_src: bool, run_scale: int = 1) -> Steps:
+        """``build`` in steps of ``STEP`` runs; run ``j`` is ``run_bytes[j] * run_scale`` bytes."""
         nt, nr = src_t.size, src_start.size
-        table = np.empty((5, nt, nr), dtype=np.uint64)
-        s, d = (0, 1) if local_is_src else (1, 0)
-        table[s] = src_addrs[src_t].astype(np.uint64)[:, None] + src_start.astype(np.uint64) * np.uint64(src_stride)
-        table[d] = dst_addrs[dst_t].astype(np.uint64)[:, None] + dst_start.astype(np.uint64) * np.uint64(dst_stride)
-        table[2] = run_bytes.astype(np.uint64)
-        table[3 + s] = src_t.astype(np.uint64)[:, None]
-        table[3 + d] = dst_t.astype(np.uint64)[:, None]
-        return cls(table.reshape(5, nt * nr), local_is_src)
+        sa = src_addrs[src_t].astype(np.uint64)
+        da = dst_addrs[dst_t].astype(np.uint64)
+        st, dt = src_t.astype(np.uint64), dst_t.astype(np.uint64)
+        so = yield from _scaled_steps(src_start, src_stride)
+        do = yield from _scaled_steps(dst_start, dst_stride)
+        ln = yield from _scaled_steps(run_bytes, run_scale)
+        if not local_is_src:
+            sa, da, so, do, st, dt = da, sa, do, so, dt, st
+        plan = cls(None, local_is_src)
+        plan._factors = (sa, da, so, do, ln, st, dt)
+        if nt * nr <= PIECE_RUNS:
+            plan._table = plan.columns(0, nt * nr)
+            plan._factors = None
+        return plan
+
+    def __len__(self) -> int:
+        self._made()
+        if self._factors is None:
+            assert self._table is not None
+            return int(self._table.shape[1])
+        return self._factors[0].size * self._factors[2].size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the plan moves."""
+        self._made()
+        if self._factors is None:
+            assert self._table is not None
+            return int(self._table[2].sum())
+        return int(self._factors[4].sum()) * self._factors[0].size
+
+    @property
+    def whole(self) -> bool:
+        """Made, and held as one table (not factored): ``batch()`` costs nothing."""
+        return self._table is not None
+
+    def nbytes_of(self, a: int, b: int) -> int:
+        """Bytes of runs ``a..b-1``."""
+        self._made()
+        if self._factors is None:
+            assert self._table is not None
+            return int(self._table[2, a:b].sum())
+        ln = self._factors[4]
+        nr = ln.size
+        (i, j), (k, m) = divmod(a, nr), divmod(b, nr)
+        if i == k:
+            return int(ln[j:m].sum())
+        return int(ln[j:].sum()) + (k - i - 1) * int(ln.sum()) + int(ln[:m].sum())
+
+    def columns(self, a: int, b: int) -> np.ndarray:
+        """Runs ``a..b-1`` as a new (5, b-a) table (the table's own columns when it is not factored)."""
+        self._made()
+        f = self._factors
+        if f is None:
+            assert self._table is not None
+            return self._table if (a, b) == (0, self._table.shape[1]) else np.ascontiguousarray(self._table[:, a:b])
+        la, ra, lo, ro, ln, lt, rt = f
+        nr = lo.size
+        out = np.empty((5, b - a), dtype=np.uint64)
+        c = a
+        while c < b:
+            i, j = divmod(c, nr)
+            o = c - a
+            if j == 0 and b - c >= nr:  # whole tensor pairs i..k-1, broadcast
+                k = i + (b - c) // nr
+                m = (k - i) * nr
+                out[0, o:o + m].reshape(k - i, nr)[:] = la[i:k, None] + lo
+                out[1, o:o + m].reshape(k - i, nr)[:] = ra[i:k, None] + ro
+                out[2, o:o + m].reshape(k - i, nr)[:] = ln
+                out[3, o:o + m].reshape(k - i, nr)[:] = lt[i:k, None]
+                out[4, o:o + m].reshape(k - i, nr)[:] = rt[i:k, None]
+            else:  # runs j.. of pair i
+                m = min(nr - j, b - c)
+                out[0, o:o + m] = la[i] + lo[j:j + m]
+                out[1, o:o + m] = ra[i] + ro[j:j + m]
+                out[2, o:o + m] = ln[j:j + m]
+                out[3, o:o + m] = lt[i]
+                out[4, o:o + m] = rt[i]
+            c += m
+        return out
+
+    @property
+    def table(self) -> np.ndarray:
+        """The whole (5, n) table (made now if the plan is factored: ``5 * 8 * n`` bytes)."""
+        self._made()
+        if self._table is None:
+            self._table = self.columns(0, len(self))
+            self._factors = None
+        return self._table
+
+    def tensor_columns(self, tensors: np.ndarray) -> list[int]:
+        """The first column whose source tensor is at least each of ``tensors`` (in ascending source
+        tensor order, as the planners make them)."""
+        self._made()
+        if self._factors is None:
+            return np.searchsorted(self.src_tensor, tensors).tolist()
+        st = self._factors[5 if self.local_is_src else 6].view(np.int64)
+        return (np.searchsorted(st, tensors) * self._factors[2].size).tolist()
 
     @classmethod
     def small(cls, src_addrs: list[int], src_offs: list[int], dst_addrs: list[int], dst_offs: list[int],
@@ -213,9 +480,11 @@ class Plan:
         flat = sa + da + ln + st + dt if local_is_src else da + sa + ln + dt + st
         return cls(np.fromiter(flat, _U64, len(flat)).reshape(5, -1), local_is_src)  # fromiter: the cheapest
 
-    def batch(self, local: LocalCache, remote: RemoteCache) -> RunBatch:
-        """These runs as a transport's batch between ``local`` and ``remote``."""
-        return RunBatch.of_table(self.table, local, remote)
+    def batch(self, local: LocalCache, remote: RemoteCache, a: int = 0, b: int | None = None) -> RunBatch:
+        """Runs ``a..b-1`` (all by default) as a transport's batch between ``local`` and ``remote``."""
+        if a == 0 and b is None:
+            return RunBatch.of_table(self.table, local, remote)
+        return RunBatch.of_table(self.columns(a, len(self) if b is None else b), local, remote)
 
     @property
     def src_addr(self) -> np.ndarray:
@@ -267,16 +536,34 @@ def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs
                               local_is_src)
         return Plan.build(src_addrs, 1, dst_addrs, 1, s_t, d_t, np.array(so, dtype=np.int64),
                           np.array(do, dtype=np.int64), np.array(nb, dtype=np.int64), local_is_src)
-    sb = block_list(src_blocks, src.num_blocks, "src_blocks")
-    db = block_list(dst_blocks, dst.num_blocks, "dst_blocks")
+    steps = _blocks_steps(src, src_addrs, dst, dst_addrs, src_blocks, dst_blocks, s_t, d_t, local_is_src)
+    if is_long(src_blocks) or is_long(dst_blocks):
+        return Plan.deferred(steps, local_is_src)
+    return run_steps(steps)
+
+
+def is_long(blocks: Any) -> bool:
+    """Whether a block list is long enough to plan in steps."""
+    try:
+        return len(blocks) > DEFER_BLOCKS
+    except TypeError:
+        return False
+
+
+def _blocks_steps(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs: np.ndarray, src_blocks: BlockList,
+                  dst_blocks: BlockList, s_t: np.ndarray, d_t: np.ndarray, local_is_src: bool) -> Steps:
+    """``plan_blocks`` past its short-list path, in steps."""
+    sb = yield from block_list_steps(src_blocks, src.num_blocks, "src_blocks")
+    db = yield from block_list_steps(dst_blocks, dst.num_blocks, "dst_blocks")
     if sb.size != db.size:
         raise LLMParamInvalid(f"src_blocks has {sb.size} entries, dst_blocks has {db.size}")
     if src.stride != dst.stride:
         raise LLMParamInvalid(f"block sizes differ: source {src.stride} bytes, destination {dst.stride}")
-    if has_duplicates(db, dst.num_blocks):
+    if (yield from duplicates_steps(db, dst.num_blocks)):
         raise LLMParamInvalid("dst_blocks names a block more than once")
-    s0, d0, cnt = coalesce(sb, db)
-    return Plan.build(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, s0, d0, cnt * src.stride, local_is_src)
+    s0, d0, cnt = yield from coalesce_steps(sb, db)
+    return (yield from Plan.build_steps(src_addrs, src.stride, dst_addrs, dst.stride, s_t, d_t, s0, d0, cnt,
+                                        local_is_src, src.stride))
 
 
 def plan_cache(src: CacheDesc, src_addrs: np.ndarray, src_batch: int, dst: CacheDesc, dst_addrs: np.ndarray,

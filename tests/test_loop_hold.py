@@ -4,9 +4,10 @@ Every callback that the test's event loop runs (asyncio's own loop: its ``Handle
 in CPU time of the loop thread (``time.thread_time``), not wall time: a callback that a busy
 2-core machine preempts does not count as longer. During the transfer the loop runs nothing but
 kvflow's callbacks. Issue 13's target is at most 1 ms per callback at any request size. shm meets
-it for these sizes and is held to it here; tcp does not yet (it reads and writes large socket
-buffers on the loop thread: 1.5-2.7 ms callbacks measured), and planning grows with the block
-count (about 1.7 ms at 16k blocks), so neither is in this test until issue 13 moves them off the loop.
+it for every case here, up to 100k scattered blocks over 64 tensors (a plan of 6.4M runs, made in
+slices and moved in batches of 16k runs); tcp meets it where planning and bookkeeping are what
+counts (pulls of 100k blocks), not yet where large socket buffers are read or written on the loop
+thread (``TCP_SOCKET_BOUND``, skipped with the reason until issue 13 moves that I/O off the loop).
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def watch() -> Iterator[LoopWatch]:
         asyncio.Handle._run = orig  # type: ignore[method-assign]
 
 
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    p = start_peer("shm")
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def peer(request: pytest.FixtureRequest) -> Iterator[Peer]:
+    p = start_peer(request.param)
     yield p
     p.proc.stop()
 
@@ -92,28 +93,41 @@ async def dd(peer: Peer) -> AsyncIterator[LlmDataDist]:
             await asyncio.sleep(0.01)
 
 
-CASES = {  # name: (MiB per tensor pair, block KiB)
-    "64 MiB in 16 KiB blocks (4096 scattered)": (64, 16),
-    "256 MiB in 4 MiB blocks": (256, 4096),
+CASES = {  # name: (tensors, blocks per tensor, block bytes)
+    "64 MiB in 16 KiB blocks (4096 scattered)": (2, 2048, 16 << 10),
+    "256 MiB in 4 MiB blocks": (2, 32, 4 << 20),
+    "100k scattered blocks of 512 bytes, 2 tensors (plan of 200k runs)": (2, 100_000, 512),
+    "100k scattered blocks of 16 bytes, 64 tensors (plan of 6.4M runs)": (64, 100_000, 16),
+}
+#: tcp reads and writes up to 4 MiB of socket buffers per loop callback (issue 13, not done yet): these
+#: cases hold the loop for 1.5-2.7 ms in that I/O (a push of many small runs: 2-3.3 ms in the step that
+#: submits a batch, whose first send goes out at once; a pull of 6.4M runs of 16 bytes: 1.6-2.6 ms),
+#: not in kvflow's planning or bookkeeping.
+TCP_SOCKET_BOUND = {
+    *((op, name) for op in ("pull", "push") for name in list(CASES)[:2]),
+    *(("push", name) for name in list(CASES)[2:]),
+    ("pull", list(CASES)[3]),
 }
 
 
 def _params() -> list[Any]:
     out = []
-    for name, (mib, kib) in CASES.items():
+    for name, (tensors, blocks, size) in CASES.items():
         for op in ("pull", "push"):
-            out.append(pytest.param(mib, kib, op, id=f"{op} {name}"))
+            out.append(pytest.param(name, tensors, blocks, size, op, id=f"{op} {name}"))
     return out
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("mib", "kib", "op"), _params())
-async def test_no_kvflow_callback_holds_the_loop_over_1ms_cpu_during_a_large_shm_transfer(
-        dd: LlmDataDist, peer: Peer, watch: LoopWatch, mib: int, kib: int, op: str) -> None:
-    nblocks = (mib << 10) // kib // 2  # two tensors (K and V)
-    desc = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[nblocks, kib << 10])
+@pytest.mark.parametrize(("name", "tensors", "nblocks", "size", "op"), _params())
+async def test_no_kvflow_callback_holds_the_loop_over_1ms_cpu_during_a_large_transfer(
+        dd: LlmDataDist, peer: Peer, watch: LoopWatch, name: str, tensors: int, nblocks: int, size: int,
+        op: str) -> None:
+    if peer.transport == "tcp" and (op, name) in TCP_SOCKET_BOUND:
+        pytest.skip("tcp still does large socket I/O on the loop thread (issue 13)")
+    desc = CacheDesc(num_tensors=tensors, data_type=DataType.DT_UINT8, shape=[nblocks, size])
     rid = await peer.register(desc, 7)
-    local = [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(2)]
+    local = [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(tensors)]
     cache = await dd.register_kv_cache(desc, local)
     ci = CacheIndex(PEER_CLUSTER, rid)
     perm = np.random.default_rng(3).permutation(nblocks).tolist()
@@ -121,19 +135,19 @@ async def test_no_kvflow_callback_holds_the_loop_over_1ms_cpu_during_a_large_shm
 
     async def once() -> None:
         if op == "pull":
-            await dd.pull_kv_blocks(ci, cache, perm, ident)
+            await dd.pull_kv_blocks(ci, cache, perm, ident, timeout_in_millis=120_000)
         else:
-            await dd.push_kv_blocks(cache, ci, ident, perm)
+            await dd.push_kv_blocks(cache, ci, ident, perm, timeout_in_millis=120_000)
 
     await once()  # the first transfer also looks the peer's cache up and starts worker threads
     longest = []
-    for _ in range(5):
+    for _ in range(5 if tensors * nblocks < 1 << 20 else 3):  # 6.4M runs of 16 bytes take seconds
         with watch:  # as a task of its own: its first step is a callback that starts inside the watch
             await asyncio.create_task(once())
         longest.append(watch.longest)
         assert len(watch.cpu) > 0
     remote = await peer.read(rid)
-    for t in range(2):  # the transfers really moved every byte
+    for t in range(tensors):  # the transfers really moved every byte
         got, want = local[t].reshape(nblocks, -1), remote[t].reshape(nblocks, -1)
         assert np.array_equal(got[ident], want[perm]) if op == "pull" else np.array_equal(want[perm], got[ident])
     best = min(longest)  # the steady state: one run's longest callback, in the least disturbed run

@@ -98,3 +98,53 @@ def test_whole_slot_plan_small_and_vectorised_agree() -> None:
 def test_has_duplicates_agrees_with_a_set_on_both_paths(blocks: list[int], num_blocks: int) -> None:
     # num_blocks 5001: the per-block count; 2**40: the sort (the count would need too much memory)
     assert has_duplicates(np.array(blocks, dtype=np.int64), num_blocks) == (len(set(blocks)) != len(blocks))
+
+
+def _expanded(p: object, stride: int) -> list[tuple[int, int, int, int]]:
+    """A plan's runs cut back into blocks: (source address, destination address, src tensor, dst tensor)."""
+    t = p.table  # type: ignore[attr-defined]
+    out = []
+    for sa, da, ln, st_, dt_ in zip(p.src_addr.tolist(), p.dst_addr.tolist(), t[2].tolist(),  # type: ignore[attr-defined]
+                                    p.src_tensor.tolist(), p.dst_tensor.tolist()):  # type: ignore[attr-defined]
+        out += [(sa + k * stride, da + k * stride, st_, dt_) for k in range(ln // stride)]
+    return out
+
+
+@pytest.mark.parametrize("local_is_src", [True, False])
+def test_a_long_block_list_is_planned_in_steps_into_the_same_runs_as_block_by_block(local_is_src: bool) -> None:
+    from kvflow._plan import PIECE_RUNS, STEP, run_steps
+
+    nb = 3 * STEP + 5
+    desc = CacheDesc(3, DataType.DT_UINT8, [2 * nb, 16])
+    src_addrs = np.array([1 << 32, 2 << 32, 3 << 32], dtype=np.uint64)
+    dst_addrs = src_addrs + np.uint64(1 << 20)
+    rng = np.random.default_rng(7)
+    sb = rng.permutation(2 * nb)[:nb]
+    sb[100:900] = np.arange(800) + 5  # some runs that coalesce
+    sb = list(dict.fromkeys(sb.tolist()))
+    db = (np.arange(len(sb)) * 2 % (2 * len(sb))).tolist()
+    db[200:700] = list(range(3 * nb // 2, 3 * nb // 2 + 500))
+    db = list(dict.fromkeys(db))[:len(sb)]
+    sb = sb[:len(db)]
+    p = plan_blocks(desc, src_addrs, desc, dst_addrs, sb, db, None, local_is_src)
+    assert p.pending  # long lists: nothing was done yet
+    run_steps(p.steps())
+    assert len(p) > PIECE_RUNS and not p.whole  # kept as factors
+    pieces = [p.columns(a, min(len(p), a + 1000)) for a in range(0, len(p), 1000)]
+    assert sum(p.nbytes_of(a, min(len(p), a + 1000)) for a in range(0, len(p), 1000)) == p.nbytes
+    want = [(int(src_addrs[t]) + s * 16, int(dst_addrs[t]) + d * 16, t, t) for t in range(3) for s, d in zip(sb, db)]
+    assert _expanded(p, 16) == want
+    assert np.array_equal(np.concatenate(pieces, axis=1), p.table)
+
+
+def test_long_block_lists_get_the_same_typed_errors_as_short_ones() -> None:
+    from kvflow._plan import STEP, run_steps
+
+    nb = 2 * STEP + 3
+    desc = CacheDesc(2, DataType.DT_UINT8, [nb, 16])
+    ok = list(range(nb))
+    for bad_src, bad_dst, what in (([*ok[:-1], nb], ok, "outside"), (ok, [*ok[:-1], 1.5], "integers"),
+                                    (ok, [*ok[:-1], 0], "more than once"), (ok[:-1], ok, "entries")):
+        p = plan_blocks(desc, SRC[:2], desc, DST[:2], bad_src, bad_dst, None)
+        with pytest.raises(LLMParamInvalid, match=what):
+            run_steps(p.steps())
