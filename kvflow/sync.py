@@ -25,7 +25,7 @@ from ._datadist import LlmDataDist as _AsyncLlmDataDist
 from ._engine import PULL, PUSH, Request
 from ._layerwise import CacheTask as _AsyncCacheTask
 from ._layerwise import LayerSynchronizer, TransferConfig
-from ._status import LLMFailed, LLMStatusCode
+from ._status import LinkResults, LLMFailed, LLMStatusCode
 from ._types import BlockList, Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, LlmRole
 
 __all__ = ["CacheTask", "LlmDataDist"]
@@ -452,12 +452,12 @@ class LlmDataDist:
 
     # ------------------------------------------------------------------ links
     def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000
-                          ) -> list[LLMStatusCode]:
+                          ) -> LinkResults:
         """Blocking :meth:`kvflow.LlmDataDist.link_llm_clusters`."""
         return self._call("link_llm_clusters", self._dd.link_llm_clusters, clusters, timeout_in_millis)
 
     def submit_link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_in_millis: int = 1000
-                                 ) -> concurrent.futures.Future[list[LLMStatusCode]]:
+                                 ) -> concurrent.futures.Future[LinkResults]:
         """:meth:`link_llm_clusters` without blocking."""
         return self._submit("link_llm_clusters", self._dd.link_llm_clusters, clusters, timeout_in_millis)
 
