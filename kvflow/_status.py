@@ -22,6 +22,7 @@ Exception tree::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum
 from typing import Any
 
@@ -225,7 +226,7 @@ class LinkResults(list[LLMStatusCode]):
 
     errors: dict[int, LLMException]
 
-    def __init__(self, codes: Any = (), errors: dict[int, LLMException] | None = None) -> None:
+    def __init__(self, codes: Iterable[LLMStatusCode] = (), errors: dict[int, LLMException] | None = None) -> None:
         super().__init__(codes)
         self.errors = errors if errors is not None else {}
 
