@@ -31,7 +31,8 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
 
     Left: throughput (GiB/s) against block size, one solid line per (transport, op), each with its
     raw baseline dashed in the same colour; a scattered block list is marked with an open marker.
-    Right (when latency rows are present): 4 KiB pull latency p50/p99, kvflow beside its baseline."""
+    Middle (when latency rows are present): 4 KiB pull latency p50/p99, kvflow beside its baseline.
+    Right (when rows were ticked): how late a 1 ms ticker fired on both sides' loops (``panels``)."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -41,11 +42,14 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
 
     thr = [r for r in rows if r.unit == "GiB/s" and block_bytes(r.block) is not None]
     lat = [r for r in rows if r.unit == "us"]
+    late = [r for r in thr if getattr(r, "late_worst_ms", None) is not None]
     fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI, layout="constrained")
-    if lat:
-        ax, axl = fig.subplots(1, 2, width_ratios=[2.2, 1])
-    else:
-        ax, axl = fig.subplots(1, 1), None
+    names = panels(rows)
+    axes = fig.subplots(1, len(names), width_ratios=[{"throughput": 2.2, "latency": 1, "lateness": 1.6}[n]
+                                                      for n in names], squeeze=False)[0]
+    ax = axes[0]
+    axl = axes[names.index("latency")] if "latency" in names else None
+    axt = axes[names.index("lateness")] if "lateness" in names else None
     series: dict[tuple[str, str], list[Any]] = {}
     extra: dict[tuple[str, str], list[Any]] = {}  # second baselines of a row (e.g. raw socket, scattered)
     for r in thr:
@@ -92,5 +96,38 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
         axl.set_title("4 KiB pull latency")
         axl.legend(fontsize="small")
         axl.grid(True, axis="y", alpha=0.3)
+    if axt is not None:
+        _lateness(axt, late, colors)
     fig.savefig(path, format="png", dpi=DPI)
     return path
+
+
+def panels(rows: Sequence[Any]) -> list[str]:
+    """The panels ``plot_rows`` draws for ``rows``, left to right."""
+    out = ["throughput"]
+    if any(r.unit == "us" for r in rows):
+        out.append("latency")
+    if any(r.unit == "GiB/s" and getattr(r, "late_worst_ms", None) is not None for r in rows):
+        out.append("lateness")
+    return out
+
+
+def _lateness(ax: Any, rows: Sequence[Any], colors: Sequence[Any]) -> None:
+    """Each throughput row's 1 ms ticker lateness on both sides' loops: worst and p99, log scale,
+    with the targets (worst 2 ms, p99 0.5 ms) as lines."""
+    labels = [f"{r.transport} {r.op}\n{r.block}" for r in rows]
+    pos = list(range(len(rows)))
+    w = 0.2
+    bars = (("worst, this side", "late_worst_ms", 0), ("worst, peer", "peer_late_worst_ms", 1),
+            ("p99, this side", "late_p99_ms", 2), ("p99, peer", "peer_late_p99_ms", 3))
+    for name, field, k in bars:
+        ax.bar([x + (k - 1.5) * w for x in pos], [max(getattr(r, field) or 0.0, 0.01) for r in rows], w,
+               label=name, color=colors[k])
+    ax.axhline(2.0, color="black", linestyle="--", linewidth=0.8, label="target worst (2 ms)")
+    ax.axhline(0.5, color="gray", linestyle=":", linewidth=0.8, label="target p99 (0.5 ms)")
+    ax.set_yscale("log")
+    ax.set_xticks(pos, labels, fontsize="x-small", rotation=90)
+    ax.set_ylabel("tick lateness (ms)")
+    ax.set_title("event loop lateness, 1 ms ticker")
+    ax.legend(fontsize="x-small")
+    ax.grid(True, axis="y", alpha=0.3)

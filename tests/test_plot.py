@@ -13,7 +13,7 @@ from kvflow._bench import Row
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'kvflow[plot]')")
 
-from kvflow._plot import DPI, HEIGHT, WIDTH, block_bytes, plot_rows
+from kvflow._plot import DPI, HEIGHT, WIDTH, block_bytes, panels, plot_rows
 
 PIXELS = (int(WIDTH * DPI), int(HEIGHT * DPI))
 
@@ -38,6 +38,10 @@ def test_plot_from_synthetic_rows(tmp_path: Path) -> None:
             for b, v in (("16 KiB", 0.5), ("256 KiB", 1.5), ("4 MiB", 2.5))]
     rows += [Row("tcp", "4 KiB pull p50", "4 KiB", 160.0, 60.0, "us"),
              Row("tcp", "4 KiB pull p99", "4 KiB", 260.0, 80.0, "us")]
+    assert panels(rows) == ["throughput", "latency"]
+    for r in rows[:6]:  # ticked rows: the lateness panel appears
+        r.ticked, r.late_worst_ms, r.late_p99_ms, r.peer_late_worst_ms, r.peer_late_p99_ms = 1.0, 3.0, 0.4, 1.2, 0.2
+    assert panels(rows) == ["throughput", "latency", "lateness"]
     out = tmp_path / "bench.png"
     assert plot_rows(rows, str(out)) == str(out)
     assert png_size(out) == PIXELS
