@@ -149,6 +149,46 @@ async def _check_lanes(tls: str, lane: str) -> None:
         assert lane in info, info
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls,now", [("sm", True), ("tcp", False)])
+async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(tls: str, now: bool) -> None:
+    """A pull or push of at most NOW_BYTES over CMA is checked, issued and completed in read_now /
+    write_now (no event fd, no task switch); a larger one, or any over tcp, takes the async path."""
+    if now and _lib_version() < (1, 22):
+        pytest.skip("older UCX: no CMA RMA in peer-error mode")
+    from kvflow_ucx._transport import NOW_BYTES
+
+    opts = _opts(tls)
+    async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
+            LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
+        assert a.listen_address is not None
+        assert await b.link_llm_clusters([ClusterInfo(1, [IpInfo(*a.listen_address)])], 5000) == [0]
+        desc = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[32, 4096])
+        rng = np.random.default_rng(5)
+        src = [rng.integers(0, 256, desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        ca = await a.register_kv_cache(desc, src)
+        cb = await b.register_kv_cache(desc, dst)
+        remote = CacheIndex(1, ca.cache_id)
+        await b.pull_kv_blocks(remote, cb, [0], [0])  # wires the endpoint up
+        ep = inspect.link(b, 1).endpoint
+        before = ep.moved_now  # type: ignore[union-attr]
+        for i in range(8):
+            await b.pull_kv_blocks(remote, cb, [i], [7 - i])
+        for t in range(2):
+            for i in range(8):
+                assert np.array_equal(dst[t][(7 - i) * 4096:(8 - i) * 4096], src[t][i * 4096:(i + 1) * 4096])
+        dst[0][:] = rng.integers(0, 256, desc.tensor_bytes, dtype=np.uint8)
+        await b.push_kv_blocks(cb, remote, [3], [5])
+        for t in range(2):
+            assert np.array_equal(src[t][5 * 4096:6 * 4096], dst[t][3 * 4096:4 * 4096])
+        assert ep.moved_now - before == (9 if now else 0)  # type: ignore[union-attr]
+        assert desc.tensor_bytes * 2 > NOW_BYTES  # every block of both tensors: too large for the spot
+        await b.pull_kv_blocks(remote, cb, list(range(32)), list(range(32)))
+        assert all(np.array_equal(s_, d_) for s_, d_ in zip(src, dst, strict=True))
+        assert ep.moved_now - before == (9 if now else 0)  # type: ignore[union-attr]
+
+
 @pytest.mark.requires_rdma
 @pytest.mark.asyncio
 async def test_conformance_over_rdma() -> None:

@@ -114,9 +114,14 @@ int kvf_op_flush(kvf_op *op, kvf_ep *e);
 uint64_t kvf_worker_inflight(kvf_worker *w);
 int kvf_op_status(kvf_op *op);
 int kvf_op_finish(kvf_op *op, int *status);
+int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
+                    const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
+                    const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
+                    uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left);
 """
 
 SOURCE = r"""
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -686,6 +691,64 @@ int kvf_op_finish(kvf_op *op, int *status)
     }
     op->pending--;
     return 0;
+}
+
+/* read_now/write_now: the runs of a (5, n) uint64 table (local address, remote address, length,
+ * local tensor, remote tensor), if they total at most ``max_bytes``: checked against both sides'
+ * regions, issued as one op with id ``id``, and the worker progressed here until they complete or
+ * ``max_ns`` pass. Returns -1 when they completed (*status is their status), -3 when the batch is
+ * larger (nothing issued), 2*i / 2*i+1 when run i's local / remote side is out of bounds (nothing
+ * issued), -4 when out of memory (nothing issued), -2 when they are still in flight after
+ * ``max_ns``: *left is then the op, for the caller to finish (its event follows). *nev: completion
+ * events of other operations waiting in the worker's queue. */
+int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
+                    const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
+                    const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
+                    uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left)
+{
+    kvf_op *op;
+    const uint64_t *laddr = table, *raddr = table + n, *len = table + 2 * n;
+    const int64_t *lidx = (const int64_t *)(table + 3 * n), *ridx = (const int64_t *)(table + 4 * n);
+    uint64_t total = 0, start = 0, now;
+    int64_t bad;
+    size_t i;
+
+    *nev = 0;
+    for (i = 0; i < n; i++) {
+        total += len[i];
+        if (total > max_bytes || len[i] > max_bytes) {
+            return -3;
+        }
+    }
+    bad = kvf_check_runs(n, laddr, raddr, len, lidx, lbounds, nl, ridx, rbounds, nr);
+    if (bad >= 0) {
+        return bad;
+    }
+    op = kvf_op_new(e->w, id);
+    if (op == NULL) {
+        return -4;
+    }
+    *left = NULL;
+    kvf_rma(op, e, is_put, n, laddr, raddr, len, lidx, memh_tab, ridx, rkey_tab, UINT64_MAX);
+    while (op->pending > 1) {
+        ucp_worker_progress(op->w->worker);
+        if (op->pending == 1) {
+            break;
+        }
+        now = kvf_now_ns();
+        if (start == 0) {
+            start = now;
+        } else if (now - start > max_ns) {
+            *nev = (int)op->w->nev;
+            *left = op;
+            return -2;
+        }
+    }
+    *status = op->status;
+    *nev = (int)op->w->nev;
+    free(op->free_ep);
+    free(op);
+    return -1;
 }
 
 /* Close an endpoint; its record is freed when ``op`` completes. */

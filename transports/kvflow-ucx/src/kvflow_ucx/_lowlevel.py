@@ -299,6 +299,28 @@ class Endpoint:
             memh_tab, ffi.from_buffer("int64_t[]", ridx), rkey_tab, max_bytes,
         )
 
+    def rma_now(self, is_put: bool, table: np.ndarray, memh_tab: Any, lbounds: np.ndarray, rkey_tab: Any,
+                rbounds: np.ndarray, max_bytes: int, max_ns: int) -> tuple[int, int, int, Op | None]:
+        """``kvf_rma_now``: check, issue and complete the runs of a (5, n) uint64 ``RunBatch.table``
+        on the spot if they total at most ``max_bytes``. Returns (result, status, events waiting,
+        op): result -1 (done, with that status), -3 (too large), -4 (out of memory), 2*i or 2*i + 1
+        (run i out of bounds locally / remotely; nothing issued for any of these) or -2 (still in
+        flight after ``max_ns``: the op, to ``finish()``)."""
+        ffi = _native.ffi
+        w = self.worker
+        st, nev, left = w._now_out
+        op_id = w.next_id()
+        r = int(_native.lib.kvf_rma_now(
+            self._h, op_id, 1 if is_put else 0, table.shape[1], ffi.from_buffer("uint64_t[]", table),
+            ffi.from_buffer("uint64_t[]", lbounds), lbounds.size // 2, memh_tab,
+            ffi.from_buffer("uint64_t[]", rbounds), rbounds.size // 2, rkey_tab, max_bytes, max_ns, st, nev,
+            left))
+        op = None
+        if r == -2:
+            op = Op.__new__(Op)
+            op.id, op._op = op_id, left[0]
+        return r, int(st[0]), int(nev[0]), op
+
     def flush(self, op: Op) -> None:
         """Add a ``ucp_ep_flush_nbx`` to ``op`` (remote completion of its puts)."""
         _native.lib.kvf_op_flush(op._op, self._h)
@@ -352,6 +374,7 @@ class Worker:
             lib.kvf_free(buf[0])
         self._ev = ffi.new("kvf_event[]", self.EVENT_BATCH)
         self._more = ffi.new("int *")
+        self._now_out = (ffi.new("int *"), ffi.new("int *"), ffi.new("kvf_op **"))
         self._next_id = 1
 
     @property

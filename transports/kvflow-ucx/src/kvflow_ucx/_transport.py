@@ -17,6 +17,12 @@ readable, or after work is issued, the loop progresses the worker for at most ha
 millisecond, dispatches completions, and re-arms. ``UCS_ERR_BUSY`` from the arm means there is
 more to do, so it progresses again on the next loop iteration; otherwise it sleeps until the
 fd fires. An idle linked pair therefore costs no CPU.
+
+Small batches over shared memory skip all of that: ``read_now``/``write_now`` check, issue and
+complete a batch of at most ``NOW_BYTES`` in one C call that polls the worker until it is done,
+when the endpoint's RMA lanes are ones this process carries out itself (CMA, knem, xpmem), so that
+it completes within microseconds whatever the peer does. The worker is single-threaded: only the
+loop thread takes this path (``now_threadsafe`` is False).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
-from kvflow import LLMException, LLMKvCacheNotExist, LLMLinkFailed, LLMParamInvalid, Placement
+from kvflow import LLMException, LLMKvCacheNotExist, LLMLinkFailed, LLMOutOfMemory, LLMParamInvalid, Placement
 from kvflow.transport import Endpoint, LinkChannel, LocalCache, RemoteCache, RunBatch, Transport
 
 from . import _lowlevel as ll
@@ -63,6 +69,17 @@ RESET_PURGE_S = 1.0
 #: While operations are in flight and the worker sleeps on its fd, wake up this often anyway
 #: (a safety net: UCX signals completions through the fd; ``rescues`` counts the times it did not).
 WATCHDOG_S = 0.05
+#: ``read_now``/``write_now``: a batch of at most this many bytes is issued and completed on the
+#: spot, without the event fd, when the endpoint's RMA lanes are ones where the initiator's own
+#: process moves the bytes (cross-memory attach, knem, xpmem: the peer takes no part).
+NOW_BYTES = 64 << 10
+#: The now-path waits at most this long for its operation, polling the worker on the spot; past it
+#: the endpoint is failed (force-closed, so nothing lands later) and the link breaks.
+NOW_POLL_S = 0.01
+#: ... of which the first part is spent inside the C call, polling without Python.
+NOW_SPIN_NS = 200_000
+#: UCX transports whose RMA the initiator's process carries out itself.
+_LOCAL_RMA_TLS = ("cma/", "knem/", "xpmem/")
 #: UCX settings kvflow changes from UCX's defaults unless the environment (``UCX_<VAR>``) or an
 #: option sets them. Shared-memory transports offer peer error handling only with
 #: MM_ERROR_HANDLING, and (UCX >= 1.22 here) CMA serves one-sided RMA in that mode only with
@@ -350,6 +367,8 @@ class UcxEndpoint(Endpoint):
         self._closing: asyncio.Future[None] | None = None
         self._key = f"ucx:{id(self)}"
         self._lim: tuple[int, int, int] | None = None
+        self._now: tuple[int, bool] | None = None  # (generation, whether the now-path applies)
+        self.moved_now = 0  # batches read_now/write_now moved
         self._progress.ep_handlers[ep.id] = self
 
     def __repr__(self) -> str:
@@ -424,6 +443,77 @@ class UcxEndpoint(Endpoint):
             self._lim = LIMITS_TCP if "tcp/" in info else LIMITS_FAST
         return self._lim
 
+    def _local_rma(self) -> bool:
+        """Whether every RMA lane of the current UCP endpoint is one where this process moves the
+        bytes itself (then a small get or put completes within microseconds whatever the peer does)."""
+        if self._now is None or self._now[0] != self._gen:
+            info = self._ep.info()
+            if "lane[" not in info:
+                return False  # not wired up yet: ask again next time
+            rma = [line for line in info.splitlines() if "lane[" in line and " rma" in line]
+            self._now = (self._gen, bool(rma) and all(any(t in line for t in _LOCAL_RMA_TLS) for line in rma))
+        return self._now[1]
+
+    def read_now(self, batch: RunBatch, write: bool = False) -> bool:
+        """A batch of at most ``NOW_BYTES`` over shared memory: checked, issued and completed in one
+        C call that polls the worker (no event fd, no task switch). Else move nothing and return False."""
+        if self._dead is not None or self._closing is not None or not self._local_rma():
+            return False
+        mapped = self._t._mapped.get(batch.local_cache.cache_id)
+        if mapped is None:
+            return False  # the path through read() says why
+        keys = self._remote(batch.remote_cache)
+        r, status, nev, op = self._ep.rma_now(write, batch.table, mapped.table, mapped.bounds, keys.table,
+                                              keys.bounds, NOW_BYTES, NOW_SPIN_NS)
+        if nev:
+            self._progress.kick()  # other operations' completions came in meanwhile
+        what = "ucp_put_nbx" if write else "ucp_get_nbx"
+        if op is not None:  # still in flight: wait on the spot, with the events
+            done = op.finish()
+            status = done if done is not None else self._poll_now(op.id, what)
+        elif r != -1:  # nothing was issued
+            if r == -3:
+                return False
+            if r == -4:
+                raise LLMOutOfMemory("kvf_op_new: out of memory")
+            self._prepare(batch)  # raises what is out of bounds
+            raise LLMParamInvalid(f"run {r // 2} lies outside its region")  # (not reached)
+        if status != ll.UCS_OK:
+            raise ll.ucx_error(status, what)
+        self.moved_now += 1
+        return True
+
+    def write_now(self, batch: RunBatch) -> bool:
+        return self.read_now(batch, True)
+
+    def _poll_now(self, op_id: int, what: str) -> int:
+        """Progress the worker on the spot until op ``op_id`` completes; its status. Other events go
+        where they belong. Past ``NOW_POLL_S`` the endpoint is failed (force-closed: UCX then
+        completes the request as cancelled), so nothing lands after this returns."""
+        progress = self._progress
+        worker = self._t._worker
+        deadline = progress.loop.time() + NOW_POLL_S
+        failed = False
+        while True:
+            worker.progress(max_rounds=64, max_us=100)
+            events = worker.events()
+            status = next((st for ev_id, kind, st in events if ev_id == op_id and kind == ll.EV_OP), None)
+            if events:
+                progress.dispatch([ev for ev in events if ev[0] != op_id or ev[1] != ll.EV_OP])
+            if status is not None:
+                if progress.ops:
+                    progress.kick()  # we took their events; the loop's pass re-arms the worker
+                return status
+            if not failed and progress.loop.time() > deadline:
+                failed = True
+                exc = LLMLinkFailed(f"ucx: a {what} of a small batch over shared memory did not complete "
+                                    f"within {NOW_POLL_S * 1000:.0f} ms")
+                self._fail(exc)
+                self._channel.broken(exc)
+                deadline = progress.loop.time() + RESET_PURGE_S
+            elif failed and progress.loop.time() > deadline:
+                raise LLMLinkFailed(f"ucx: a {what} did not complete after its endpoint was closed")
+
     def _check_usable(self) -> None:
         if self._dead is not None:
             raise LLMLinkFailed(f"ucx endpoint is broken: {self._dead}")
@@ -432,9 +522,29 @@ class UcxEndpoint(Endpoint):
 
     async def _move(self, batch: RunBatch, put: bool) -> None:
         self._check_usable()
-        n = len(batch)
-        if n == 0:
+        if len(batch) == 0:
             return
+        laddr, raddr, lengths, lidx, ridx, mapped, keys = self._prepare(batch)
+        piece = self._limits()[2]
+        if int(lengths.max()) > piece:
+            laddr, raddr, lengths, lidx, ridx = _split(laddr, raddr, lengths, lidx, ridx, piece)
+        while True:
+            try:
+                await self._issue(put, laddr, raddr, lengths, lidx, ridx, mapped, keys)
+                return
+            except _Replaced:
+                # Another transfer's cancel reset the UCP endpoint under this one: every request
+                # this one had issued has completed, so issue the whole batch again on the new
+                # endpoint (a get or put of the same runs lands the same bytes). Each reset needs a
+                # transfer that passed its deadline, and this one's own deadline bounds the loop.
+                self._check_usable()
+                keys = self._remote(batch.remote_cache)
+
+    def _prepare(self, batch: RunBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                  _Mapped, _RemoteKeys]:
+        """The batch's runs as C arrays, with the local mappings and remote keys, once every run is
+        checked against both sides' regions."""
+        n = len(batch)
         u64, i64 = np.uint64, np.int64
         lengths = np.ascontiguousarray(batch.lengths, dtype=u64)
         laddr = np.ascontiguousarray(batch.local_addrs, dtype=u64)
@@ -453,21 +563,7 @@ class UcxEndpoint(Endpoint):
             where = (f"remote cache {batch.remote_cache.cache_id}" if remote
                      else f"cache {batch.local_cache.cache_id}")
             raise LLMParamInvalid(f"run {i} ({int(lengths[i])} bytes) lies outside {where}")
-
-        piece = self._limits()[2]
-        if int(lengths.max()) > piece:
-            laddr, raddr, lengths, lidx, ridx = _split(laddr, raddr, lengths, lidx, ridx, piece)
-        while True:
-            try:
-                await self._issue(put, laddr, raddr, lengths, lidx, ridx, mapped, keys)
-                return
-            except _Replaced:
-                # Another transfer's cancel reset the UCP endpoint under this one: every request
-                # this one had issued has completed, so issue the whole batch again on the new
-                # endpoint (a get or put of the same runs lands the same bytes). Each reset needs a
-                # transfer that passed its deadline, and this one's own deadline bounds the loop.
-                self._check_usable()
-                keys = self._remote(batch.remote_cache)
+        return laddr, raddr, lengths, lidx, ridx, mapped, keys
 
     async def _issue(self, put: bool, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
                      lidx: np.ndarray, ridx: np.ndarray, mapped: _Mapped, keys: _RemoteKeys) -> None:
