@@ -180,11 +180,7 @@ class Metrics:
         table = batch.table
         runs = table.shape[1]
         nbytes = table.item(2, 0) if runs == 1 else int(table[2].sum())  # numpy's sum costs ~1 us
-        self.count(op, peer, transport, nbytes, runs, seconds)
-        if span is not None:
-            span.set_attribute("kvflow.bytes", nbytes)
-            span.set_attribute("kvflow.runs", runs)
-            span.end()
+        self.done_runs(op, peer, transport, runs, nbytes, seconds, span)
 
     def count(self, op: str, peer: int, transport: str, nbytes: int, runs: int, seconds: float) -> None:
         """A transfer of ``nbytes`` in ``runs`` runs finished (``done`` without the batch and the span)."""
@@ -223,17 +219,7 @@ class Metrics:
     def done_runs(self, op: str, peer: int, transport: str, runs: int, nbytes: int, seconds: float,
                   span: Any) -> None:
         """``done`` for a transfer given by its counts (a large plan moved in several batches)."""
-        key = (peer, transport, op)
-        with self._lock:
-            s = self.series.get(key)
-            if s is None:
-                s = self.series[key] = OpStats()
-            s.transfers += 1
-            s.bytes += nbytes
-            s.runs += runs
-            h = s.latency
-            h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            h.sum += seconds
+        self.count(op, peer, transport, nbytes, runs, seconds)
         if span is not None:
             span.set_attribute("kvflow.bytes", nbytes)
             span.set_attribute("kvflow.runs", runs)
