@@ -176,6 +176,13 @@ async def run_bench_links(links: int, procs: int, timeout_ms: int, idle_s: float
         ok = took[np.array(codes) == 0]
         listener.send("count")
         counts = await listener.recv(30)
+        # a dialer that gave up at its deadline mid-handshake closes its connection; the listener drops
+        # that link when it reads the close, which a loaded machine may not have done yet: let it settle
+        settle = time.monotonic() + 5.0
+        while counts["held"] != len(ok) and time.monotonic() < settle:
+            await asyncio.sleep(0.1)
+            listener.send("count")
+            counts = await listener.recv(30)
         idle: dict[str, Any] = {}
         if idle_s > 0:
             for p in linkers:
