@@ -135,7 +135,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=12)
 frame_types = st.sampled_from(["hello", "welcome", "challenge", "auth", "reject", "choose", "ready", "req", "rsp",
                                "ping", "pong", "bye", "ready_fail", "x"])
-ops = st.sampled_from(["cache", "gone", "bye", "unknown", ""])
+ops = st.sampled_from(["cache", "gone", "bye", "note", "unknown", ""])
 
 
 @st.composite
@@ -253,7 +253,8 @@ def sessions(draw: st.DrawFn, bases: list[list[int]], ids: list[int]) -> list[tu
         if dice < 20:  # a request on the control connection, with hostile fields
             steps.append(("control", {"t": "req", "id": draw(st.integers(0, 2**64 - 1)),
                                       "op": draw(st.one_of(ops, scalars)),
-                                      "cache_id": draw(st.one_of(st.sampled_from(ids), st.integers(-1, 9), scalars))}))
+                                      "cache_id": draw(st.one_of(st.sampled_from(ids), st.integers(-1, 9), scalars)),
+                                      "payload": draw(st.one_of(st.binary(max_size=64), scalars))}))
             continue
         runs = draw(run_lists(bases))
         true_total = sum(n for _, n in runs) % 2**64

@@ -40,6 +40,7 @@ from kvflow import (
     LLMStatusCode,
     LLMTimeoutError,
 )
+from kvflow import _notes as notes
 from kvflow import _wire as wire
 from kvflow._proc import PeerProcess
 from kvflow.testing import FaultProxy, inspect
@@ -779,6 +780,35 @@ async def test_control_request_flood_is_bounded(cleanup: list[Any]) -> None:
     assert codes.count(0) == link_mod.MAX_SERVING
     assert codes.count(LLMStatusCode.LLM_LINK_BUSY) == 200 - link_mod.MAX_SERVING
     assert time.monotonic() - t0 < 2.0
+    await serves_a_real_client(srv, cache, g, cleanup)
+
+
+@pytest.mark.asyncio
+async def test_hostile_notifications_are_refused_and_never_queued(cleanup: list[Any]) -> None:
+    """A linked peer's ``note`` requests: an oversized or ill-typed payload is refused with a status,
+    as any malformed request, and queues nothing; well-formed ones are queued, in order, until the
+    application takes them."""
+    srv, g, cache = await server(cleanup, desc(4, 4096))
+    addr = srv.listen_address
+    assert addr is not None and g is not None
+
+    def send(*payloads: Any) -> list[dict[str, Any] | None]:
+        c = RawClient(addr)
+        try:
+            c.handshake(9, PEER)
+            c.send(b"".join(wire.pack({"t": "req", "id": i, "op": "note", "payload": p})
+                            for i, p in enumerate(payloads)))
+            return [c.recv_msg() for _ in payloads]
+        finally:
+            c.close()
+
+    answers = await asyncio.to_thread(send, b"first", b"second")
+    assert [a and a["code"] for a in answers] == [0, 0]
+    assert srv.get_notifications() == [(9, b"first"), (9, b"second")]
+    for bad in (b"x" * (notes.MAX_PAYLOAD + 1), "text", 7, None, [b"a"]):
+        answers = await asyncio.to_thread(send, bad)
+        assert answers[0] is not None and answers[0]["code"] != 0, (bad, answers)
+        assert srv.get_notifications() == []
     await serves_a_real_client(srv, cache, g, cleanup)
 
 
