@@ -47,6 +47,7 @@ class Pair:
         port = v.free_port()
         p_cfg = _extra(transport, port, mode=mode, **(p_extra or {}))
         d_cfg = _extra(transport, mode=mode, load=load)
+        self.model, self.p_cfg = model, p_cfg
         self.p_worker = v.start_worker(model, "kv_producer", p_cfg, layout)
         self.d_worker = v.start_worker(model, "kv_consumer", d_cfg, layout)
         self.p = v.Engine(v.make_scheduler(v.vllm_config(model, "kv_producer", p_cfg)), self.p_worker, fill=True)
@@ -248,6 +249,14 @@ def test_a_prefill_that_dies_fails_the_load_within_the_heartbeat_bound(model: st
         finally:
             if how == "stopped":
                 os.kill(pid, signal.SIGCONT)
+        if how == "killed":  # a prefill restarted at the same address: the decode side links again
+            pair.p_worker.proc.join(5)
+            pair.p_worker = pair.p.worker = v.start_worker(pair.model, "kv_producer", pair.p_cfg)
+            fresh = list(range(500, 500 + 2 * v.BLOCK_SIZE))  # a prompt the decode engine has not cached
+            params = pair.prefill("p-3", fresh)
+            pair.decode_loads("d-3", params, fresh)
+            assert not any("d-3" in r[2] for r in pair.d.step_results)
+            _check_bytes(pair.d_worker, pair.d.sched.kv_cache_manager.get_block_ids("d-3")[0][:2], "p-3")
     finally:
         pair.close()
 

@@ -91,7 +91,7 @@ class WorkerSide:
         self.dd = LlmDataDist(self.cluster_id, role)
         self._run(self.dd.initialize(settings.kvflow_options(rank)))
         self._lock = threading.Lock()
-        self._links: dict[int, concurrent.futures.Future[None]] = {}
+        self._links: dict[int, asyncio.Future[None]] = {}  # dials by peer cluster (loop thread only)
         # results left by coroutines, taken by get_finished / get_block_ids_with_load_errors
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()  # layer mode: blocks that failed inside a step
@@ -133,20 +133,22 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ helpers on the loop
     async def _link(self, cluster_id: int, host: str, port: int) -> None:
-        """Link to a peer rank once; a failed attempt is forgotten so that the next request retries."""
-        with self._lock:
-            fut = self._links.get(cluster_id)
-            if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._thread.submit(self._dial(cluster_id, host, port))
-                self._links[cluster_id] = fut
-        await asyncio.wrap_future(fut)
+        """Link to a peer rank, sharing one dial among concurrent requests; dial again once the link
+        failed or broke (a prefill that restarted), so that a dead link is never reused."""
+        task = self._links.get(cluster_id)
+        if task is None or (task.done() and not self._linked(cluster_id)):
+            task = self._links[cluster_id] = asyncio.ensure_future(self._dial(cluster_id, host, port))
+        await asyncio.shield(task)  # one caller cancelled does not cancel the others' dial
+
+    def _linked(self, cluster_id: int) -> bool:
+        try:
+            return self.dd.link_info(cluster_id).state == "linked"
+        except LLMException:
+            return False
 
     async def _dial(self, cluster_id: int, host: str, port: int) -> None:
-        try:
-            if self.dd.link_info(cluster_id).state == "linked":
-                return
-        except LLMException:
-            pass
+        if self._linked(cluster_id):  # the peer may have dialed us first
+            return
         codes = await self.dd.link_llm_clusters([ClusterInfo(cluster_id, [IpInfo(host, port)])],
                                                 self.s.load_timeout_ms)
         if codes[0] != 0:  # the typed error that says what happened, else the bare status
@@ -192,7 +194,7 @@ class WorkerSide:
 
     async def _pull_all(self, r: Recv) -> None:
         if not r.local_blocks:  # nothing to load (cached here, refused, or aborted): only free the prefill's
-            await self._notify(r.cluster_id + self.rank, pack("release", req=r.remote_req_id), r)
+            await self._release(r)
             return
         await self._loaded(r, await self._pull(r, None), by_block=False)
 
@@ -202,6 +204,10 @@ class WorkerSide:
 
     async def _loaded(self, r: Recv, ok: bool, by_block: bool) -> None:
         self._done(r, ok, by_block)
+        await self._release(r)
+
+    async def _release(self, r: Recv) -> None:
+        """Tell the prefill rank that it may free ``r``'s blocks (whether or not they arrived)."""
         await self._notify(r.cluster_id + self.rank, pack("release", req=r.remote_req_id), r)
 
     async def _notify(self, cid: int, payload: bytes, r: Recv | None = None) -> None:
