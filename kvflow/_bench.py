@@ -159,12 +159,20 @@ def _best(samples: list[float]) -> float:
     return min(samples)
 
 
-async def _kv_throughput(dd: LlmDataDist, remote: CacheIndex, cache: Any, desc: CacheDesc, op: str,
-                         scattered: bool, repeat: int, warm: bool = True) -> float:
+def _block_lists(desc: CacheDesc, scattered: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination blocks of a throughput row: every block, shuffled when scattered."""
     n = desc.num_blocks
     rng = np.random.default_rng(0)
-    src = rng.permutation(n) if scattered else np.arange(n)
-    dst = rng.permutation(n) if scattered else np.arange(n)
+    if scattered:
+        return rng.permutation(n), rng.permutation(n)
+    return np.arange(n), np.arange(n)
+
+
+async def _kv_throughput(dd: LlmDataDist, remote: CacheIndex, cache: Any, desc: CacheDesc, op: str,
+                         blocks: tuple[np.ndarray, np.ndarray], repeat: int, warm: bool = True) -> float:
+    """GiB/s of the best of ``repeat`` transfers of ``blocks`` (made beforehand: 65k-entry shuffles
+    took 2-3 ms, which the ticker would count as kvflow's)."""
+    src, dst = blocks
     times = []
     for _ in range(repeat + (1 if warm else 0)):  # a warm-up first (a new connection's window, first touches)
         t0 = time.perf_counter()
@@ -239,10 +247,11 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                 for op in ("pull", "push"):
                     scattered = desc.stride == BLOCK_SIZES[0]
                     ci = CacheIndex(1, info["caches"][name])
-                    kv = await _kv_throughput(dd, ci, locals_[name], desc, op, scattered, repeat)
+                    blocks = _block_lists(desc, scattered)
+                    kv = await _kv_throughput(dd, ci, locals_[name], desc, op, blocks, repeat)
                     # the same transfers with a 1 ms ticker on both loops: how late does kvflow make it?
                     kt, mine, theirs = await _ticked(peer, lambda: _kv_throughput(
-                        dd, ci, locals_[name], desc, op, scattered, repeat, warm=False))  # noqa: B023 - awaited here
+                        dd, ci, locals_[name], desc, op, blocks, repeat, warm=False))  # noqa: B023 - awaited here
                     tick = {"ticked": kt, "late_worst_ms": mine["worst_ms"], "late_p99_ms": mine["p99_ms"],
                             "peer_late_worst_ms": theirs["worst_ms"], "peer_late_p99_ms": theirs["p99_ms"]}
                     # off the loop: a long raw run must not starve this process's heartbeats

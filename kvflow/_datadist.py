@@ -92,7 +92,8 @@ class LlmDataDist:
                 event("transport_unavailable", cluster=self.cluster_id, transport=name, reason=exc.args[0])
                 side.unavailable[name] = str(exc.args[0]).removeprefix(f"{name}: ")
                 continue
-            transports[name] = cls(TransportContext(self.cluster_id, ctx_opts, self._registry, side.instance))
+            transports[name] = cls(TransportContext(self.cluster_id, ctx_opts, self._registry, side.instance,
+                                                        opts.worker_priority))
         if not transports:
             raise LLMFeatureNotEnabled(f"none of the transports {', '.join(opts.transports)} can run here")
         side.opts = opts

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ._status import LLMParamInvalid
+from ._workers import DEFAULT_PRIORITY, PRIORITIES
 
 DEFAULT_TRANSPORTS = ("shm", "ucx", "tcp")
 MIN_KEY_BYTES = 16  # shorter shared secrets are refused: one sniffed handshake must not let them be guessed
@@ -24,6 +25,7 @@ class Options:
     heartbeat_timeout_ms: int = 2000
     auth_key: bytes | None = None
     max_links: int = 1024
+    worker_priority: str = DEFAULT_PRIORITY
     transport_options: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -96,6 +98,10 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
             opts.auth_key = secret
         elif key == "kvflow.MaxLinks":
             opts.max_links = _ms(key, value, 1, 65536)
+        elif key == "kvflow.WorkerPriority":
+            if str(value) not in PRIORITIES:
+                raise LLMParamInvalid(f"option {key}={value!r}: expected one of {', '.join(PRIORITIES)}")
+            opts.worker_priority = str(value)
         elif key.startswith("kvflow.") and key.count(".") >= 2:
             opts.transport_options[key] = str(value)  # kvflow.<transport>.<key>: the transport's own
         else:

@@ -25,7 +25,9 @@ The life of a transport on one ``LlmDataDist``:
 Rules every transport keeps (``kvflow.testing.check_transport`` checks them):
 
 - Never block the event loop for more than about a millisecond: large copies run in a thread
-  or in bounded chunks.
+  (``TransportContext.worker_pool``) or in bounded chunks. A copy thread's syscalls stay short
+  (about 1 MiB each): a kernel without preemption runs a syscall to its end before another
+  thread may have the core.
 - ``read``/``write`` raise an ``LLMException`` subclass on failure (``LLMLinkFailed`` when the
   link itself is gone, ``LLMKvCacheNotExist`` when the peer no longer has the cache).
 - When the task awaiting ``read`` is cancelled, ``read`` re-raises only once no further byte of
@@ -44,6 +46,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
@@ -63,6 +66,7 @@ from ._status import (
     error_for,
 )
 from ._types import CacheDesc, DataType, Placement
+from ._workers import DEFAULT_PRIORITY, worker_pool
 
 if TYPE_CHECKING:
     import socket
@@ -211,6 +215,13 @@ class TransportContext:
     options: Mapping[str, str]
     registry: Registry
     instance: str  # random per LlmDataDist; distinguishes restarts
+    #: ``kvflow.WorkerPriority``: the scheduling priority of the threads ``worker_pool`` makes.
+    worker_priority: str = DEFAULT_PRIORITY
+
+    def worker_pool(self, name: str, threads: int) -> ThreadPoolExecutor:
+        """Threads for bulk copies, at ``worker_priority``: by default ``SCHED_IDLE`` on Linux, so
+        that they take only cores that no event loop (nor any other thread) wants."""
+        return worker_pool(name, threads, self.worker_priority)
 
 
 class LinkChannel(abc.ABC):

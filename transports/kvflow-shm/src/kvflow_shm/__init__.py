@@ -659,7 +659,7 @@ class ShmTransport(Transport):
     # ------------------------------------------------------------------ threads
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvflow-shm")
+            self._pool = self.ctx.worker_pool("kvflow-shm", self.threads)
         return self._pool
 
     async def close(self) -> None:

@@ -52,8 +52,11 @@ FAST_MAX_BLOCKS = 64
 #: Nor do transfers of more runs than this: an iovec costs about 0.6 µs in the syscall, and the
 #: copy runs on the caller's (the event loop's) thread.
 FAST_MAX_RUNS = 256
-#: Bytes per syscall at most; the stop flag is polled between syscalls.
-MAX_CHUNK = 8 << 20
+#: Bytes per syscall at most; the stop flag is polled between syscalls. A kernel without preemption
+#: (``PREEMPT_NONE``, common on servers) runs a syscall to its end before a waking event loop thread
+#: may have the core: 8 MiB syscalls (about 1 ms) made 1 ms ticks 3-5 ms late, 1 MiB ones do not,
+#: and copy throughput did not drop (docs/benchmarks.md, issue 13).
+MAX_CHUNK = 1 << 20
 
 _ffi: Any = None
 _lib: Any = None
