@@ -90,6 +90,16 @@ class IovCursor:
     def done(self) -> bool:
         return self.i >= self.n
 
+    @property
+    def left(self) -> int:
+        """Bytes not yet consumed."""
+        return (self._ends[-1] if self._ends else 0) - self.pos
+
+    @property
+    def runs_left(self) -> int:
+        """Runs not wholly consumed."""
+        return self.n - self.i
+
     def _window(self) -> int:
         """The end (exclusive) of the runs the next syscall takes, from ``i``."""
         j = bisect_left(self._ends, self.pos + self.chunk_bytes, self.i) + 1

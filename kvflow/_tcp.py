@@ -12,6 +12,7 @@ is due the channel busy-polls its socket for ``kvflow.tcp.BusyPollUs`` (see ``_e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -19,12 +20,15 @@ import struct
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from itertools import accumulate
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
 from . import _iov as iov
+from . import _pump as pump
 from ._iov import IovCursor
 from ._memory import SMALL_RUNS, CacheUser, LocalCache, Registry
 from ._status import LLMException, LLMLinkFailed, LLMParamInvalid, LLMStatusCode, error_for
@@ -46,6 +50,13 @@ SEND_BUDGET = 4 << 20
 SMALL_FRAME_BUFS = 16  # frames of at most this many buffers are offered to sendmsg whole at first
 POLL_BYTES = 64 << 10  # requests up to this size make the channel busy-poll for the next frame
 DEFAULT_BUSY_POLL_US = 50
+#: Payload bytes left in a frame from which a worker thread moves the rest (``kvflow.tcp.ThreadBytes``)
+DEFAULT_THREAD_BYTES = 1 << 20
+DEFAULT_THREADS = 2  # worker threads per LlmDataDist (``kvflow.tcp.Threads``)
+#: A payload of more runs than this goes to a worker thread whatever its size: the kernel spends
+#: about 0.6 µs per iovec, so 16k runs of 16 bytes held the loop for milliseconds.
+THREAD_RUNS = 256
+SUBMIT_RUNS = FRAME_RUNS  # runs framed in one step of the loop
 # Requests one side may have outstanding on a channel (sent, response not wholly received).
 # The sender queues further frames locally (backpressure); a peer that exceeds the bound
 # breaks the protocol and loses the link. This bounds the memory a peer can make us hold.
@@ -134,6 +145,16 @@ class _Cursor:
     @property
     def done(self) -> bool:
         return self.i >= len(self.bufs)
+
+    @property
+    def left(self) -> int:
+        """Bytes not yet consumed."""
+        return (self.ends[-1] if self.ends else 0) - self.pos
+
+    @property
+    def runs_left(self) -> int:
+        """Buffers not wholly consumed."""
+        return len(self.bufs) - self.i
 
     def chunk(self) -> tuple[list[Any], int]:
         """The buffers for the next syscall, and their total size: about ``CHUNK_BYTES`` (a socket
@@ -228,8 +249,14 @@ class TcpChannel(CacheUser):
     """Both directions of one data socket: our requests, the peer's requests, responses."""
 
     def __init__(self, sock: socket.socket, registry: Registry,
-                 on_broken: Callable[[BaseException], None], busy_poll: float = 0.0) -> None:
+                 on_broken: Callable[[BaseException], None], busy_poll: float = 0.0,
+                 workers: Callable[[], ThreadPoolExecutor] | None = None,
+                 thread_bytes: int = DEFAULT_THREAD_BYTES) -> None:
         self._loop = asyncio.get_running_loop()
+        self._workers = workers  # large payloads go to these threads (kvflow._pump); None: all on the loop
+        self._thread_bytes = thread_bytes
+        self._rx_job: pump.Job | None = None  # the payload a worker thread is reading, if any
+        self._tx_job: pump.Job | None = None  # the head frame's payload a worker thread is sending
         self._busy_poll = busy_poll  # seconds of polling when a small frame is due (see _expect_soon)
         self._poll_until = 0.0
         self._polling = False
@@ -342,7 +369,10 @@ class TcpChannel(CacheUser):
         op.state = _OP_DONE
 
     def abandon(self, ops: list[_Op]) -> None:
-        """The caller gave up: unsent frames are dropped, late payload is discarded."""
+        """The caller gave up: unsent frames are dropped, late payload is discarded (none lands in
+        the caller's memory once this returns)."""
+        if self._rx_job is not None and self._payload_op in ops:
+            self._stop_rx()  # the reader then discards the rest
         for op in ops:
             op.abandoned = True
             out = op.out
@@ -381,6 +411,8 @@ class TcpChannel(CacheUser):
         self._flush()
 
     def _flush(self) -> None:
+        if self._tx_job is not None:
+            return  # a worker thread is sending the head frame; the rest waits (stream order)
         sock = self._sock
         budget = SEND_BUDGET
         q = self._sendq
@@ -388,13 +420,18 @@ class TcpChannel(CacheUser):
             out = q[0]
             cur = out.cursor
             small = cur is None and out.runs is None and len(out.bufs) <= SMALL_FRAME_BUFS
+            if cur is None and not small:
+                cur = out.cursor = _Cursor(out.bufs)
+            left = cur.left if cur is not None else sum(map(len, out.bufs))  # byte-formatted memoryviews
+            if out.runs is None and self._workers is not None and (
+                    left >= self._thread_bytes or (cur is not None and cur.runs_left > THREAD_RUNS)):
+                self._start_tx(out, cur or _Cursor(out.bufs))  # a large payload: on a worker thread
+                return
             try:
-                if small:  # a small frame: offer it whole, no cursor unless it is cut short
-                    want = sum(map(len, out.bufs))  # memoryviews here are byte-formatted
+                if cur is None:  # a small frame: offer it whole, no cursor unless it is cut short
+                    want = left
                     n = sock.sendmsg(out.bufs)
                 else:
-                    if cur is None:
-                        cur = out.cursor = _Cursor(out.bufs)
                     n, want = cur.send(sock)
             except (BlockingIOError, InterruptedError):
                 break  # the writer callback resumes once the socket has room
@@ -413,14 +450,7 @@ class TcpChannel(CacheUser):
             cur.advance(n)
             out.idx = max(out.idx, 0)  # stays -1 until a byte of the frame is sent
             if cur.done:
-                if out.runs is not None:  # the head is sent: now the payload, from its run table
-                    out.cursor = _cursor(out.runs)
-                    out.runs = None
-                else:
-                    q.popleft()
-                    out.bufs = []
-                    out.cursor = None
-                    self._dropped(out)
+                self._sent(out)
             if n < want:
                 break
         if q and not self._writer_on and self._closed is None:
@@ -429,6 +459,46 @@ class TcpChannel(CacheUser):
         elif not q and self._writer_on:
             self._loop.remove_writer(self._fd)
             self._writer_on = False
+
+    def _sent(self, out: _Out) -> None:
+        """The head frame's cursor is done: go on to its payload from the run table, or retire it."""
+        if out.runs is not None:
+            out.cursor = _cursor(out.runs)
+            out.runs = None
+        else:
+            self._sendq.popleft()
+            out.bufs = []
+            out.cursor = None
+            self._dropped(out)
+
+    def _start_tx(self, out: _Out, cur: _Cursor | IovCursor) -> None:
+        """Hand the rest of the head frame to a worker thread (kvflow._pump); ``_tx_back`` resumes."""
+        assert self._workers is not None
+        out.cursor = cur
+        out.idx = max(out.idx, 0)  # bytes of it go out from now on: it can no longer be dropped
+        if self._writer_on:
+            self._loop.remove_writer(self._fd)
+            self._writer_on = False
+        job = self._tx_job = pump.Job(cur, cur.left)
+        fut = self._workers().submit(pump.send, self._sock, job)
+        fut.add_done_callback(partial(self._back, self._tx_back, job))
+
+    def _back(self, resume: Callable[[pump.Job, Future[None]], None], job: pump.Job, fut: Future[None]) -> None:
+        """A worker thread finished with ``job``: resume on the loop thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to resume
+            self._loop.call_soon_threadsafe(resume, job, fut)
+
+    def _tx_back(self, job: pump.Job, fut: Future[None]) -> None:
+        if job is not self._tx_job:
+            return  # stopped by teardown
+        self._tx_job = None
+        exc = fut.exception()
+        if exc is not None:
+            self._fail(LLMLinkFailed(f"data connection send failed: {exc}"))
+            return
+        if job.cursor.done:
+            self._sent(self._sendq[0])
+        self._flush()
 
     # ---------------------------------------------------------------- receiving
     def _expect_soon(self) -> None:
@@ -451,6 +521,8 @@ class TcpChannel(CacheUser):
         self._loop.call_soon(self._poll)
 
     def _on_readable(self) -> None:
+        if self._rx_job is not None:
+            return  # a worker thread is reading a payload (the busy poll may still call)
         sock = self._sock
         budget = RECV_BUDGET
         try:
@@ -484,6 +556,9 @@ class TcpChannel(CacheUser):
                         self._payload_op = None
                         continue
                     cur = self._rx
+                    if self._workers is not None and (self._left >= self._thread_bytes or cur.runs_left > THREAD_RUNS):
+                        self._start_rx()
+                        return
                     n = cur.recv(sock)
                     if n == 0:
                         raise ConnectionResetError("peer closed the data connection")
@@ -507,6 +582,40 @@ class TcpChannel(CacheUser):
             self._fail(exc)
         except OSError as exc:
             self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
+
+    def _start_rx(self) -> None:
+        """Hand the rest of the payload to a worker thread (kvflow._pump); ``_rx_back`` resumes."""
+        assert self._workers is not None
+        self._loop.remove_reader(self._fd)
+        job = self._rx_job = pump.Job(self._rx, self._left)
+        fut = self._workers().submit(pump.receive, self._sock, job)
+        fut.add_done_callback(partial(self._back, self._rx_back, job))
+
+    def _stop_rx(self) -> None:
+        """Take the payload back from its worker thread now: once this returns, the thread writes
+        no further byte (a syscall in progress, at most 1 MiB, is waited out)."""
+        job = self._rx_job
+        if job is None:
+            return
+        job.stop()
+        self._rx_job = None
+        self._left = job.left
+        if self._closed is None:
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def _rx_back(self, job: pump.Job, fut: Future[None]) -> None:
+        if job is not self._rx_job:
+            return  # taken back earlier (_stop_rx)
+        self._rx_job = None
+        self._left = job.left
+        exc = fut.exception()
+        if exc is not None:
+            self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
+            return
+        self._loop.add_reader(self._fd, self._on_readable)
+        if self._left == 0:
+            self._payload_done()
+        self._on_readable()  # what is already buffered (the reader fires for what comes later)
 
     def _expect_payload(self, dests: Payload | None, nbytes: int, done: Callable[[], None],
                         op: _Op | None = None, pin: LocalCache | None = None, req_id: int = 0) -> None:
@@ -662,6 +771,10 @@ class TcpChannel(CacheUser):
         self._on_broken(exc)
 
     def _teardown(self, exc: BaseException) -> None:
+        for job in (self._rx_job, self._tx_job):  # no worker touches our memory or the socket after this
+            if job is not None:
+                job.stop()
+        self._rx_job = self._tx_job = None
         try:
             self._loop.remove_reader(self._fd)
             if self._writer_on:
@@ -725,6 +838,7 @@ class TcpChannel(CacheUser):
             elif out.op is not None and out.op.abandoned and out.idx >= 0:
                 cut = True
         if self._payload_pin is local:  # the peer's write lands in it: discard the rest, answer with the error
+            self._stop_rx()
             local.unpin(self)
             self._payload_pin = None
             self._state = _ST_DISCARD
@@ -747,9 +861,28 @@ class TcpEndpoint(Endpoint):
         self._ch = channel
 
     async def _run(self, kind: int, batch: RunBatch) -> None:
-        xfer, ops = self._ch.submit(kind, batch)
+        n = len(batch)
+        if n <= SUBMIT_RUNS:
+            xfer, ops = self._ch.submit(kind, batch)
+            try:
+                await xfer.fut
+            except BaseException:
+                self._ch.abandon(ops)
+                raise
+            return
+        # Framing costs about 0.1 ms per frame of runs on this thread: a long batch is submitted a
+        # few frames at a time, with the loop free in between (the first frames are moving already).
+        xfers: list[_Transfer] = []
+        ops = []
         try:
-            await xfer.fut
+            for a in range(0, n, SUBMIT_RUNS):
+                if xfers:
+                    await asyncio.sleep(0)
+                xfer, more = self._ch.submit(kind, batch[a : a + SUBMIT_RUNS])
+                xfers.append(xfer)
+                ops.extend(more)
+            for xfer in xfers:
+                await xfer.fut
         except BaseException:
             self._ch.abandon(ops)
             raise
@@ -774,15 +907,35 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        raw = ctx.options.get("kvflow.tcp.BusyPollUs", str(DEFAULT_BUSY_POLL_US))
-        try:
-            us = int(raw)
-        except ValueError:
-            us = -1
-        if not 0 <= us <= 100_000:
-            raise LLMParamInvalid(f"option kvflow.tcp.BusyPollUs={raw!r}: expected microseconds in 0..100000")
-        self.busy_poll = us / 1e6
+        self.busy_poll = _int_option(ctx.options, "kvflow.tcp.BusyPollUs", DEFAULT_BUSY_POLL_US, 0, 100_000) / 1e6
+        #: 0 moves every payload on the loop thread
+        self.thread_bytes = _int_option(ctx.options, "kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0, 1 << 40)
+        self.threads = _int_option(ctx.options, "kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = self.ctx.worker_pool("kvflow-tcp", self.threads)
+        return self._pool
 
     async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:
         sock = await channel.open_stream()
-        return TcpEndpoint(TcpChannel(sock, self.ctx.registry, channel.broken, self.busy_poll))
+        workers = self._executor if self.thread_bytes else None
+        return TcpEndpoint(TcpChannel(sock, self.ctx.registry, channel.broken, self.busy_poll, workers,
+                                      self.thread_bytes))
+
+    async def close(self) -> None:
+        if self._pool is not None:  # every channel has stopped its jobs by now (teardown)
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+def _int_option(options: Mapping[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    raw = options.get(key, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise LLMParamInvalid(f"option {key}={raw!r}: expected an integer in {lo}..{hi}")
+    return value
