@@ -17,7 +17,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from typing import Protocol
+from typing import Callable, Protocol
 
 #: Seconds a worker waits for a quiet socket before it hands the payload back to the event loop.
 WAIT_S = 0.002
@@ -55,43 +55,30 @@ class Job:
 
 def receive(sock: socket.socket, job: Job) -> None:
     """Read ``job.left`` bytes into the cursor's buffers, until done, stopped or quiet."""
+    _move(sock, job, select.POLLIN, job.cursor.recv)
+
+
+def send(sock: socket.socket, job: Job) -> None:
+    """Send the rest of the cursor's buffers, until done, stopped or the socket stays full."""
+    _move(sock, job, select.POLLOUT, lambda s: job.cursor.send(s)[0])
+
+
+def _move(sock: socket.socket, job: Job, event: int, step: Callable[[socket.socket], int]) -> None:
     poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    cur = job.cursor
+    poller.register(sock.fileno(), event)
     while True:
         with job.lock:
             if job.stopped or job.left == 0:
                 return
             try:
-                n = cur.recv(sock)
+                n = step(sock)
             except (BlockingIOError, InterruptedError):
                 n = -1
-            if n == 0:
+            if n == 0 and event == select.POLLIN:
                 raise ConnectionResetError("peer closed the data connection")
             if n > 0:
                 job.left -= n
-                cur.advance(n)
-                continue
-        if not poller.poll(WAIT_S * 1000):
-            return
-
-
-def send(sock: socket.socket, job: Job) -> None:
-    """Send the rest of the cursor's buffers, until done, stopped or the socket stays full."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLOUT)
-    cur = job.cursor
-    while True:
-        with job.lock:
-            if job.stopped or cur.done:
-                return
-            try:
-                n, _ = cur.send(sock)
-            except (BlockingIOError, InterruptedError):
-                n = -1
-            if n > 0:
-                job.left -= n
-                cur.advance(n)
+                job.cursor.advance(n)
                 continue
         if not poller.poll(WAIT_S * 1000):
             return
