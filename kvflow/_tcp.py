@@ -602,6 +602,8 @@ class TcpChannel(CacheUser):
         self._left = job.left
         if self._closed is None:
             self._loop.add_reader(self._fd, self._on_readable)
+        if self._left == 0:  # the thread had read it all; its hand-back is still queued (and now ignored)
+            self._payload_done()
 
     def _rx_back(self, job: pump.Job, fut: Future[None]) -> None:
         if job is not self._rx_job:
@@ -837,8 +839,9 @@ class TcpChannel(CacheUser):
                     out.pinned = None
             elif out.op is not None and out.op.abandoned and out.idx >= 0:
                 cut = True
+        if self._payload_pin is local:
+            self._stop_rx()  # finishes the payload if the thread had read it all
         if self._payload_pin is local:  # the peer's write lands in it: discard the rest, answer with the error
-            self._stop_rx()
             local.unpin(self)
             self._payload_pin = None
             self._state = _ST_DISCARD
