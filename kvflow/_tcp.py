@@ -910,10 +910,10 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        self.busy_poll = _int_option(ctx.options, "kvflow.tcp.BusyPollUs", DEFAULT_BUSY_POLL_US, 0, 100_000) / 1e6
+        self.busy_poll = ctx.int_option("kvflow.tcp.BusyPollUs", DEFAULT_BUSY_POLL_US, 0, 100_000) / 1e6
         #: 0 moves every payload on the loop thread
-        self.thread_bytes = _int_option(ctx.options, "kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0, 1 << 40)
-        self.threads = _int_option(ctx.options, "kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
+        self.thread_bytes = ctx.int_option("kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0)
+        self.threads = ctx.int_option("kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
         self._pool: ThreadPoolExecutor | None = None
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -932,13 +932,3 @@ class TcpTransport(Transport):
             self._pool.shutdown(wait=False)
             self._pool = None
 
-
-def _int_option(options: Mapping[str, str], key: str, default: int, lo: int, hi: int) -> int:
-    raw = options.get(key, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise LLMParamInvalid(f"option {key}={raw!r}: expected an integer in {lo}..{hi}")
-    return value

@@ -218,6 +218,20 @@ class TransportContext:
     #: ``kvflow.WorkerPriority``: the scheduling priority of the threads ``worker_pool`` makes.
     worker_priority: str = DEFAULT_PRIORITY
 
+    def int_option(self, key: str, default: int, lo: int, hi: int | None = None) -> int:
+        """The integer option ``key`` (decimal or ``0x``), ``default`` when absent or empty;
+        ``LLMParamInvalid`` naming the key when it is not an integer in ``lo..hi``."""
+        raw = self.options.get(key)
+        if raw is None or raw == "":
+            return default
+        try:
+            value = int(str(raw), 0)
+        except ValueError:
+            raise LLMParamInvalid(f"option {key}={raw!r} is not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            raise LLMParamInvalid(f"option {key}={raw!r}: expected an integer in {lo}..{'' if hi is None else hi}")
+        return value
+
     def worker_pool(self, name: str, threads: int) -> ThreadPoolExecutor:
         """Threads for bulk copies, at ``worker_priority``: by default ``SCHED_IDLE`` on Linux, so
         that they take only cores that no event loop (nor any other thread) wants."""

@@ -128,11 +128,12 @@ def _channel(dd: LlmDataDist) -> Any:
 
 
 @pytest.mark.asyncio
-async def test_busy_poll_option_is_checked() -> None:
-    for bad in ("x", "-1", "100001"):
+async def test_tcp_integer_options_are_checked() -> None:
+    for key, bad in (("BusyPollUs", "x"), ("BusyPollUs", "-1"), ("BusyPollUs", "100001"), ("ThreadBytes", "-1"),
+                     ("ThreadBytes", "1.5"), ("Threads", "0"), ("Threads", "65")):
         dd = LlmDataDist(3, LlmRole.DECODER)
-        with pytest.raises(LLMParamInvalid, match=r"kvflow\.tcp\.BusyPollUs"):
-            await dd.initialize({"kvflow.Transports": "tcp", "kvflow.tcp.BusyPollUs": bad})
+        with pytest.raises(LLMParamInvalid, match=rf"kvflow\.tcp\.{key}"):
+            await dd.initialize({"kvflow.Transports": "tcp", f"kvflow.tcp.{key}": bad})
 
 
 @pytest.mark.asyncio

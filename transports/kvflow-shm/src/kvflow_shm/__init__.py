@@ -295,19 +295,6 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
     return buf
 
 
-def _int_option(options: Mapping[str, str], key: str, default: int, lo: int) -> int:
-    raw = options.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(str(raw), 0)
-    except ValueError:
-        raise LLMParamInvalid(f"option {key}={raw!r} is not an integer") from None
-    if value < lo:
-        raise LLMParamInvalid(f"option {key}={raw!r} must be >= {lo}")
-    return value
-
-
 class _Op:
     """A copy running in worker threads: its parts and their shared stop flag."""
 
@@ -571,8 +558,8 @@ class ShmTransport(Transport):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        self.inline_bytes = _int_option(ctx.options, "kvflow.shm.InlineBytes", DEFAULT_INLINE_BYTES, 0)
-        self.threads = _int_option(ctx.options, "kvflow.shm.Threads", DEFAULT_THREADS, 1)
+        self.inline_bytes = ctx.int_option("kvflow.shm.InlineBytes", DEFAULT_INLINE_BYTES, 0)
+        self.threads = ctx.int_option("kvflow.shm.Threads", DEFAULT_THREADS, 1)
         self._rv: _Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local: dict[int, tuple[LocalCache, ll.Regions]] = {}
