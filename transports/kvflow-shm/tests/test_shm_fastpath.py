@@ -9,7 +9,9 @@ bad input gets the typed error with nothing moved.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import kvflow.sync
@@ -147,47 +149,49 @@ def _no_python_path(dd: LlmDataDist) -> None:
     ep.read_now = ep.write_now = refuse  # type: ignore[method-assign]
 
 
-async def _linked(peer: DataDistPeer, dd: LlmDataDist) -> _Linked:
-    rets = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", peer.port)])], 5000)
-    assert [int(r) for r in rets] == [0] and dd.link_info(1).transport == "shm"
-    mine = [np.zeros(PEER_DESC.tensor_bytes, dtype=np.uint8) for _ in range(2)]
-    cache = await dd.register_kv_cache(PEER_DESC, mine)
-    lk = _Linked(dd, peer, cache, mine)
-    await dd.pull_kv_blocks(lk.ci, cache, [0], [63])  # through the loop: the link learns the peer's cache
-    mine[0][:] = mine[1][:] = 0
-    return lk
+@contextlib.asynccontextmanager
+async def _linked() -> AsyncIterator[_Linked]:
+    """A peer process and an LlmDataDist linked to it over shm, for at most 60 s; both end after."""
+    peer = DataDistPeer(SHM)
+    try:
+        async with asyncio.timeout(60), LlmDataDist(2, LlmRole.DECODER, options=SHM) as dd:
+            rets = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo("127.0.0.1", peer.port)])], 5000)
+            assert [int(r) for r in rets] == [0] and dd.link_info(1).transport == "shm"
+            mine = [np.zeros(PEER_DESC.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+            cache = await dd.register_kv_cache(PEER_DESC, mine)
+            lk = _Linked(dd, peer, cache, mine)
+            await dd.pull_kv_blocks(lk.ci, cache, [0], [63])  # through the loop: the link learns the peer's cache
+            mine[0][:] = mine[1][:] = 0
+            yield lk
+    finally:
+        peer.stop()
 
 
 @pytest.mark.asyncio
 async def test_small_block_pulls_and_pushes_take_the_native_path_and_count_in_stats() -> None:
-    peer = DataDistPeer(SHM)
-    try:
-        async with asyncio.timeout(60):
-            async with LlmDataDist(2, LlmRole.DECODER, options=SHM) as dd:
-                lk = await _linked(peer, dd)
-                before = lk.series("pull")
-                _no_python_path(dd)
-                await dd.pull_kv_blocks(lk.ci, lk.cache, [3, 4, 5, 9], [0, 1, 2, 7])  # two runs per tensor
-                theirs = await lk.theirs()
-                for t in range(2):
-                    mine = lk.mine[t].reshape(64, -1)
-                    assert np.array_equal(mine[[0, 1, 2, 7]], theirs[t][[3, 4, 5, 9]])
-                    assert not mine[[3, 4, 5, 6, 8]].any()
-                after = lk.series("pull")
-                assert after["transfers"] - before["transfers"] == 1
-                assert after["bytes"] - before["bytes"] == 4 * BLOCK * 2
-                assert after["runs"] - before["runs"] == 4
-                assert after["latency"]["count"] - before["latency"]["count"] == 1
-                for t in lk.mine:
-                    t[:] = np.random.default_rng(3).integers(0, 256, t.size, dtype=np.uint8)
-                await dd.push_kv_blocks(lk.cache, lk.ci, (10,), (20,))  # a tuple, one block
-                theirs = await lk.theirs()
-                for t in range(2):
-                    assert np.array_equal(theirs[t][20], lk.mine[t].reshape(64, -1)[10])
-                push = lk.series("push")
-                assert (push["transfers"], push["bytes"], push["runs"]) == (1, 2 * BLOCK, 2)
-    finally:
-        peer.stop()
+    async with _linked() as lk:
+        dd = lk.dd
+        before = lk.series("pull")
+        _no_python_path(dd)
+        await dd.pull_kv_blocks(lk.ci, lk.cache, [3, 4, 5, 9], [0, 1, 2, 7])  # two runs per tensor
+        theirs = await lk.theirs()
+        for t in range(2):
+            mine = lk.mine[t].reshape(64, -1)
+            assert np.array_equal(mine[[0, 1, 2, 7]], theirs[t][[3, 4, 5, 9]])
+            assert not mine[[3, 4, 5, 6, 8]].any()
+        after = lk.series("pull")
+        assert after["transfers"] - before["transfers"] == 1
+        assert after["bytes"] - before["bytes"] == 4 * BLOCK * 2
+        assert after["runs"] - before["runs"] == 4
+        assert after["latency"]["count"] - before["latency"]["count"] == 1
+        for t in lk.mine:
+            t[:] = np.random.default_rng(3).integers(0, 256, t.size, dtype=np.uint8)
+        await dd.push_kv_blocks(lk.cache, lk.ci, (10,), (20,))  # a tuple, one block
+        theirs = await lk.theirs()
+        for t in range(2):
+            assert np.array_equal(theirs[t][20], lk.mine[t].reshape(64, -1)[10])
+        push = lk.series("push")
+        assert (push["transfers"], push["bytes"], push["runs"]) == (1, 2 * BLOCK, 2)
 
 
 BAD: list[tuple[Any, Any]] = [
@@ -203,28 +207,23 @@ BAD: list[tuple[Any, Any]] = [
 
 @pytest.mark.asyncio
 async def test_bad_block_lists_get_the_typed_error_and_move_nothing() -> None:
-    peer = DataDistPeer(SHM)
-    try:
-        async with asyncio.timeout(60):
-            async with LlmDataDist(2, LlmRole.DECODER, options=SHM) as dd:
-                lk = await _linked(peer, dd)
-                before = lk.series("pull")
-                for src, dst in BAD:
-                    with pytest.raises(LLMParamInvalid):
-                        await dd.pull_kv_blocks(lk.ci, lk.cache, src, dst)
-                    with pytest.raises(LLMParamInvalid):
-                        await dd.push_kv_blocks(lk.cache, lk.ci, src, dst)
-                assert not lk.mine[0].any() and not lk.mine[1].any()
-                after = lk.series("pull")
-                assert after["transfers"] == before["transfers"]
-                assert after["errors"].get("LLM_PARAM_INVALID", 0) == len(BAD)
-                # another block size: the pair never takes the fast path; the planner says why
-                other = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[32, 2 * BLOCK])
-                cache2 = await dd.register_kv_cache(other, [np.zeros(other.tensor_bytes, np.uint8) for _ in range(2)])
-                with pytest.raises(LLMParamInvalid, match="block sizes differ"):
-                    await dd.pull_kv_blocks(lk.ci, cache2, [1], [1])
-    finally:
-        peer.stop()
+    async with _linked() as lk:
+        dd = lk.dd
+        before = lk.series("pull")
+        for src, dst in BAD:
+            with pytest.raises(LLMParamInvalid):
+                await dd.pull_kv_blocks(lk.ci, lk.cache, src, dst)
+            with pytest.raises(LLMParamInvalid):
+                await dd.push_kv_blocks(lk.cache, lk.ci, src, dst)
+        assert not lk.mine[0].any() and not lk.mine[1].any()
+        after = lk.series("pull")
+        assert after["transfers"] == before["transfers"]
+        assert after["errors"].get("LLM_PARAM_INVALID", 0) == len(BAD)
+        # another block size: the pair never takes the fast path; the planner says why
+        other = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[32, 2 * BLOCK])
+        cache2 = await dd.register_kv_cache(other, [np.zeros(other.tensor_bytes, np.uint8) for _ in range(2)])
+        with pytest.raises(LLMParamInvalid, match="block sizes differ"):
+            await dd.pull_kv_blocks(lk.ci, cache2, [1], [1])
 
 
 def test_sync_facade_copies_small_blocks_natively_on_the_calling_thread() -> None:

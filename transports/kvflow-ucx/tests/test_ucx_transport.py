@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -131,13 +133,20 @@ async def test_lanes_follow_ucx_tls(tls: str, lane: str) -> None:
     await _check_lanes(tls, lane)
 
 
-async def _check_lanes(tls: str, lane: str) -> None:
-    """Link two instances with UCX_TLS=``tls``, pull, and find ``lane`` in the endpoint's lanes."""
-    opts = _opts(tls)
+@contextlib.asynccontextmanager
+async def _linked_pair(opts: dict[str, str]) -> AsyncIterator[tuple[LlmDataDist, LlmDataDist]]:
+    """A prompt instance listening on loopback and a decoder instance linked to it, both with ``opts``."""
     async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
             LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
         assert a.listen_address is not None
         assert await b.link_llm_clusters([ClusterInfo(1, [IpInfo(*a.listen_address)])], 5000) == [0]
+        yield a, b
+
+
+async def _check_lanes(tls: str, lane: str) -> None:
+    """Link two instances with UCX_TLS=``tls``, pull, and find ``lane`` in the endpoint's lanes."""
+    opts = _opts(tls)
+    async with _linked_pair(opts) as (a, b):
         desc = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=[4, 65536])
         src = [np.arange(desc.tensor_bytes, dtype=np.uint64).astype(np.uint8)]
         dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8)]
@@ -159,10 +168,7 @@ async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(tls:
     from kvflow_ucx._transport import NOW_BYTES
 
     opts = _opts(tls)
-    async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
-            LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
-        assert a.listen_address is not None
-        assert await b.link_llm_clusters([ClusterInfo(1, [IpInfo(*a.listen_address)])], 5000) == [0]
+    async with _linked_pair(opts) as (a, b):
         desc = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[32, 4096])
         rng = np.random.default_rng(5)
         src = [rng.integers(0, 256, desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
@@ -213,10 +219,7 @@ async def test_device_placement_goes_through_the_same_registration() -> None:
 
     No GPU here: host memory declared DEVICE exercises the path; real device memory is unverified."""
     opts = _opts("sm")
-    async with LlmDataDist(1, LlmRole.PROMPT, options={**opts, "llm.ListenIpInfo": "127.0.0.1:0"}) as a, \
-            LlmDataDist(2, LlmRole.DECODER, options=opts) as b:
-        assert a.listen_address is not None
-        assert await b.link_llm_clusters([ClusterInfo(1, [IpInfo(*a.listen_address)])], 5000) == [0]
+    async with _linked_pair(opts) as (a, b):
         desc = CacheDesc(2, DataType.DT_UINT8, [8, 4096], placement=Placement.DEVICE)
         src = [np.random.default_rng(t).integers(0, 256, desc.tensor_bytes, dtype=np.uint8) for t in range(2)]
         dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
