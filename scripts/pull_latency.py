@@ -1,16 +1,22 @@
 """4 KiB pull latency of one checkout, for A/B comparisons between commits in alternation.
 
-    PYTHONPATH=<checkout> python scripts/pull_latency.py shm 10000
+    PYTHONPATH=<checkout> python scripts/pull_latency.py shm 10000 [push] [kvflow.Option=value ...]
 
 A child process serves ``kvflow bench``'s 4 KiB-block cache; this process links over the given
 transport and times ``pull_kv_blocks`` of one block, ``n`` times after 500 warm-up pulls, then
-prints the p50 and p99 in µs. Run two checkouts one after the other, several times, and compare
-pairs: a shared machine drifts by more than most changes cost.
+prints the p50 and p99 in µs (``push``: ``push_kv_blocks`` instead). Options given as
+``key=value`` go to this side's ``initialize``; the serving side keeps the defaults. It runs on
+uvloop, as ``kvflow bench`` does. ``every=MS``: instead, one transfer every MS milliseconds
+for 3 s, and the CPU both processes spent meanwhile (what polling costs at that rate).
+
+Run two checkouts one after the other, several times, and compare pairs: a shared machine
+drifts by more than most changes cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -19,8 +25,19 @@ import numpy as np
 from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
 from kvflow._bench import _caches, _serve
 from kvflow._proc import PeerProcess
+from kvflow._run import run
 
 TOTAL = 4 << 20
+OPTS = dict(a.split("=", 1) for a in sys.argv[3:] if "=" in a)  # kvflow options of this side
+PUSH = "push" in sys.argv[3:]
+EVERY_MS = float(OPTS.pop("every", 0))
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def main(transport: str, n: int) -> None:
@@ -32,23 +49,50 @@ async def main(transport: str, n: int) -> None:
         await peer.recv(60)  # the raw baseline's details, unused
         remote = CacheIndex(1, info["caches"]["lat"])
         dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": transport})
+        await dd.initialize({"kvflow.Transports": transport, **OPTS})
         cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
         ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
         assert ret[0] == 0, ret
         nb = desc.num_blocks
+        if EVERY_MS:
+            await _every(dd, remote, cache, nb, peer.pid, transport)
+            return
         lat = []
         for i in range(500 + n):
             t0 = time.perf_counter()
-            await dd.pull_kv_blocks(remote, cache, [i % nb], [(i * 7) % nb])
+            if PUSH:
+                await dd.push_kv_blocks(cache, remote, [(i * 7) % nb], [i % nb])
+            else:
+                await dd.pull_kv_blocks(remote, cache, [i % nb], [(i * 7) % nb])
             if i >= 500:
                 lat.append(time.perf_counter() - t0)
         a = np.array(lat) * 1e6
-        print(f"{transport} p50 {np.percentile(a, 50):.2f} p99 {np.percentile(a, 99):.2f}")
+        print(f"{transport} {'push' if PUSH else 'pull'} p50 {np.percentile(a, 50):.2f} p99 {np.percentile(a, 99):.2f}")
         await dd.finalize()
     finally:
         peer.stop()
 
 
+async def _every(dd: LlmDataDist, remote: CacheIndex, cache: object, nb: int, peer_pid: int,
+                 transport: str) -> None:
+    for i in range(200):
+        await dd.pull_kv_blocks(remote, cache, [i % nb], [i % nb])  # type: ignore[arg-type]
+    await asyncio.sleep(0.5)
+    mine, theirs, t0 = _cpu_s(os.getpid()), _cpu_s(peer_pid), time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 3:
+        if PUSH:
+            await dd.push_kv_blocks(cache, remote, [n % nb], [n % nb])  # type: ignore[arg-type]
+        else:
+            await dd.pull_kv_blocks(remote, cache, [n % nb], [n % nb])  # type: ignore[arg-type]
+        n += 1
+        await asyncio.sleep(EVERY_MS / 1000)
+    dt = time.perf_counter() - t0
+    here, there = 100 * (_cpu_s(os.getpid()) - mine) / dt, 100 * (_cpu_s(peer_pid) - theirs) / dt
+    print(f"{transport} {n / dt:.0f} {'pushes' if PUSH else 'pulls'}/s: this side {here:.1f} % of a core, "
+          f"serving side {there:.1f} %")
+    await dd.finalize()
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "shm", int(sys.argv[2]) if len(sys.argv) > 2 else 10000))
+    run(main(sys.argv[1] if len(sys.argv) > 1 else "shm", int(sys.argv[2]) if len(sys.argv) > 2 else 10000))

@@ -171,6 +171,50 @@ async def test_busy_poll_is_bounded_and_can_be_off(tcp_peer: Peer, poll_us: str)
 
 
 @pytest.mark.asyncio
+async def test_serving_side_polls_only_while_requests_come_close_together() -> None:
+    """The side that serves small requests polls for the next one only while they arrive within a
+    poll window of each other: a trickle of requests costs no polling CPU on the serving side."""
+    srv, cli = LlmDataDist(1, LlmRole.PROMPT), LlmDataDist(2, LlmRole.DECODER)
+    opts = {"kvflow.Transports": "tcp", "kvflow.tcp.BusyPollUs": "1000"}
+    await srv.initialize({**opts, "llm.ListenIpInfo": "127.0.0.1:0"})
+    await cli.initialize(opts)
+    try:
+        desc = CacheDesc(1, DataType.DT_UINT8, [16, 4096])
+        src = np.arange(16 * 4096, dtype=np.uint32).astype(np.uint8)
+        remote = await srv.register_kv_cache(desc, [src])
+        dst = np.zeros(16 * 4096, np.uint8)
+        cache = await cli.register_kv_cache(desc, [dst])
+        assert srv.listen_address is not None
+        assert await cli.link_llm_clusters([ClusterInfo(1, [IpInfo(*srv.listen_address)])], 5000) == [0]
+        ci = CacheIndex(1, remote.cache_id)
+        await cli.pull_kv_blocks(ci, cache, [0], [0])  # the link's first pull learns the peer's cache
+        ch = inspect.links(srv)[2].endpoint._ch  # type: ignore[union-attr]
+        polls = 0
+        poll = ch._poll
+
+        def counted() -> None:
+            nonlocal polls
+            polls += 1
+            poll()
+
+        ch._poll = counted
+        for i in range(30):  # back to back: each request comes well within 1 ms of the last
+            await cli.pull_kv_blocks(ci, cache, [i % 16], [i % 16])
+        close_together = polls
+        while ch._polling:
+            await asyncio.sleep(0.001)
+        polls = 0
+        for i in range(10):  # 20 ms apart: polling between them would be wasted
+            await asyncio.sleep(0.02)
+            await cli.pull_kv_blocks(ci, cache, [i], [15 - i])
+        assert close_together > 0 and polls == 0, (close_together, polls)
+        assert np.array_equal(dst.reshape(16, 4096)[15 - 9], src.reshape(16, 4096)[9])
+    finally:
+        await cli.finalize()
+        await srv.finalize()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("iov_path", [True, False])
 async def test_large_frames_with_and_without_the_iovec_path(tcp_peer: Peer, iov_path: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
