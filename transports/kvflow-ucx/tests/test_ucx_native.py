@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvflow import LLMException, LLMFailed, LLMLinkFailed, LLMOutOfMemory, LLMParamInvalid
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from kvflow import (
+    CacheDesc,
+    DataType,
+    LLMException,
+    LLMFailed,
+    LLMLinkFailed,
+    LLMOutOfMemory,
+    LLMParamInvalid,
+)
+from kvflow._plan import plan_blocks
 from ucx_testlib import TLS_PARAMS, NativePeer, requires_ucx
 
 from kvflow_ucx import _lowlevel as ll
@@ -27,6 +38,28 @@ def test_versions_and_status_mapping() -> None:
     assert isinstance(ll.ucx_error(-4, "x"), LLMOutOfMemory)
     assert isinstance(ll.ucx_error(-5, "x"), LLMParamInvalid)
     assert type(ll.ucx_error(-99, "x")) is LLMFailed
+
+
+@settings(max_examples=300, deadline=None)
+@given(ntensors=hs.integers(1, 8), stride=hs.sampled_from([1, 8, 4096, 12288]), lblocks=hs.integers(1, 40),
+       rblocks=hs.integers(1, 40), lblock=hs.integers(0, 39), rblock=hs.integers(0, 39), write=hs.booleans())
+def test_one_block_table_in_c_is_kvflows_plan(ntensors: int, stride: int, lblocks: int, rblocks: int,
+                                              lblock: int, rblock: int, write: bool) -> None:
+    """``kvf_block1_table`` (the plan of ``blocks_now``'s one-block transfers) holds the same runs,
+    in the same order, as ``kvflow._plan.plan_blocks`` for the same request."""
+    lblock, rblock = lblock % lblocks, rblock % rblocks  # blocks_now checks the indices before C plans
+
+    def layout(num_blocks: int, base: int) -> tuple[CacheDesc, np.ndarray]:
+        desc = CacheDesc(num_tensors=ntensors, data_type=DataType.DT_UINT8, shape=[num_blocks, stride])
+        addrs = [base + t * (num_blocks * stride + 4096) for t in range(ntensors)]
+        return desc, np.array(addrs, dtype=np.uint64)
+
+    (ld, la), (rd, ra) = layout(lblocks, 1 << 40), layout(rblocks, 1 << 44)
+    if write:
+        want = plan_blocks(ld, la, rd, ra, [lblock], [rblock], None, local_is_src=True).table
+    else:
+        want = plan_blocks(rd, ra, ld, la, [rblock], [lblock], None, local_is_src=False).table
+    assert np.array_equal(ll.block1_table(la, ra, stride, lblock, rblock), want)
 
 
 def test_bad_ucx_setting_is_a_typed_error() -> None:

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from kvflow import (
 )
 from kvflow._compat import timeout as timeout_after
 from kvflow._discovery import load_transport
+from kvflow._plan import plan_blocks
 from kvflow._proc import PeerProcess
 from kvflow.testing import check_transport, inspect
 from ucx_testlib import TLS_PARAMS, datadist_peer, proc_cpu_seconds, requires_ucx
@@ -159,10 +161,48 @@ async def _check_lanes(tls: str, lane: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_one_block_on_the_spot_never_reaches_past_a_peers_described_region() -> None:
+    """A peer that describes more blocks than its regions hold: the C-planned one-block path
+    declines the last block (bounds checked before anything is issued), and the Python-planned
+    path then refuses it with a typed error; not a byte moves either way."""
+    if _lib_version() < (1, 22):
+        pytest.skip("older UCX: no CMA RMA in peer-error mode")
+    from dataclasses import replace
+
+    from kvflow.transport import RemoteRegion
+
+    async with _linked_pair(_opts("sm")) as (a, b):
+        desc = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[8, 4096])
+        src = [np.full(desc.tensor_bytes, 7, dtype=np.uint8) for _ in range(2)]
+        dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        ca = await a.register_kv_cache(desc, src)
+        cb = await b.register_kv_cache(desc, dst)
+        await b.pull_kv_blocks(CacheIndex(1, ca.cache_id), cb, [0], [0])  # wires the endpoint up
+        dst[0][:] = 0
+        dst[1][:] = 0
+        link = inspect.link(b, 1)
+        ep, honest = link.endpoint, link.remotes[ca.cache_id]
+        assert ep is not None
+        short = tuple(RemoteRegion(r.addr, r.nbytes - 1, r.desc) for r in honest.regions)  # last byte kept
+        cut = replace(honest, regions=short, cache={})
+        local = b._engine._registry.lookup(cb.cache_id)
+        assert local is not None
+        assert ep.blocks_now(False, local, cut, [7], [0]) is None
+        assert ep.blocks_now(False, local, cut, [6], [0]) == (2 * 4096, 2)  # inside the regions: moved
+        assert all(np.all(d[:4096] == 7) for d in dst)
+        plan = plan_blocks(cut.desc, cut.addrs, local.desc, local.addrs, [7], [1], None, local_is_src=False)
+        with pytest.raises(LLMParamInvalid):
+            ep.read_now(plan.batch(local, cut))
+        assert not any(d[4096:].any() for d in dst)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("tls,now", [("sm", True), ("tcp", False)])
-async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(tls: str, now: bool) -> None:
+async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(
+        tls: str, now: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pull or push of at most NOW_BYTES over CMA is checked, issued and completed in read_now /
-    write_now (no event fd, no task switch); a larger one, or any over tcp, takes the async path."""
+    write_now (no event fd, no task switch), a block transfer without even the engine's coroutine
+    path; a larger one, or any over tcp, takes the async path."""
     if now and _lib_version() < (1, 22):
         pytest.skip("older UCX: no CMA RMA in peer-error mode")
     from kvflow_ucx._transport import NOW_BYTES
@@ -179,6 +219,16 @@ async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(tls:
         await b.pull_kv_blocks(remote, cb, [0], [0])  # wires the endpoint up
         ep = inspect.link(b, 1).endpoint
         before = ep.moved_now  # type: ignore[union-attr]
+        engine = b._engine
+        runs = 0
+        run = engine.run
+
+        async def counted(*args: Any, **kw: Any) -> None:
+            nonlocal runs
+            runs += 1
+            await run(*args, **kw)
+
+        monkeypatch.setattr(engine, "run", counted)
         for i in range(8):
             await b.pull_kv_blocks(remote, cb, [i], [7 - i])
         for t in range(2):
@@ -189,6 +239,7 @@ async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(tls:
         for t in range(2):
             assert np.array_equal(src[t][5 * 4096:6 * 4096], dst[t][3 * 4096:4 * 4096])
         assert ep.moved_now - before == (9 if now else 0)  # type: ignore[union-attr]
+        assert runs == (0 if now else 9)
         assert desc.tensor_bytes * 2 > NOW_BYTES  # every block of both tensors: too large for the spot
         await b.pull_kv_blocks(remote, cb, list(range(32)), list(range(32)))
         assert all(np.array_equal(s_, d_) for s_, d_ in zip(src, dst, strict=True))

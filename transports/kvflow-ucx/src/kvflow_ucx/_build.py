@@ -118,6 +118,13 @@ int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t
                     const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
                     const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
                     uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left);
+void kvf_block1_table(size_t nt, const uint64_t *lbase, const uint64_t *rbase, uint64_t stride,
+                      uint64_t lblock, uint64_t rblock, uint64_t *table);
+int64_t kvf_rma_block1(kvf_ep *e, uint64_t id, int is_put, size_t nt, const uint64_t *lbase,
+                       const uint64_t *rbase, uint64_t stride, uint64_t lblock, uint64_t rblock,
+                       const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
+                       const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
+                       uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left);
 """
 
 SOURCE = r"""
@@ -749,6 +756,44 @@ int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t
     free(op->free_ep);
     free(op);
     return -1;
+}
+
+/* The runs of one block pair over every tensor, as kvflow._plan.plan_blocks makes them with no
+   ext_param, equal tensor counts and equal block sizes (both sides' indices already checked): run t
+   moves block lblock of local tensor t and block rblock of remote tensor t, in a (5, nt) table like
+   RunBatch.table (local address, remote address, length, local tensor, remote tensor). The
+   hypothesis test in tests/test_ucx_transport.py holds the two planners to the same table. */
+void kvf_block1_table(size_t nt, const uint64_t *lbase, const uint64_t *rbase, uint64_t stride,
+                      uint64_t lblock, uint64_t rblock, uint64_t *table)
+{
+    size_t t;
+    for (t = 0; t < nt; t++) {
+        table[t] = lbase[t] + lblock * stride;
+        table[nt + t] = rbase[t] + rblock * stride;
+        table[2 * nt + t] = stride;
+        table[3 * nt + t] = t;
+        table[4 * nt + t] = t;
+    }
+}
+
+#define KVF_BLOCK1_TENSORS 256
+
+/* kvf_rma_now of one block pair over every tensor, planned here (no table from Python). -3 also
+   for more than KVF_BLOCK1_TENSORS tensors. */
+int64_t kvf_rma_block1(kvf_ep *e, uint64_t id, int is_put, size_t nt, const uint64_t *lbase,
+                       const uint64_t *rbase, uint64_t stride, uint64_t lblock, uint64_t rblock,
+                       const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
+                       const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
+                       uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left)
+{
+    uint64_t table[5 * KVF_BLOCK1_TENSORS];
+    *nev = 0;
+    if (nt == 0 || nt > KVF_BLOCK1_TENSORS || stride == 0 || stride > max_bytes / nt) {
+        return -3;
+    }
+    kvf_block1_table(nt, lbase, rbase, stride, lblock, rblock, table);
+    return kvf_rma_now(e, id, is_put, nt, table, lbounds, nl, memh_tab, rbounds, nr, rkey_tab, max_bytes,
+                       max_ns, status, nev, left);
 }
 
 /* Close an endpoint; its record is freed when ``op`` completes. */

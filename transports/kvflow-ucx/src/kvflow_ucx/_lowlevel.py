@@ -250,6 +250,16 @@ def check_runs(laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray, lidx: 
     )
 
 
+def block1_table(lbase: np.ndarray, rbase: np.ndarray, stride: int, lblock: int, rblock: int) -> np.ndarray:
+    """``kvf_block1_table``: the (5, n) run table ``rma_block1`` moves (for the planner tests)."""
+    ffi = _native.ffi
+    out = np.empty((5, lbase.size), dtype=np.uint64)
+    _native.lib.kvf_block1_table(lbase.size, ffi.from_buffer("uint64_t[]", lbase),
+                                 ffi.from_buffer("uint64_t[]", rbase), stride, lblock, rblock,
+                                 ffi.from_buffer("uint64_t[]", out))
+    return out
+
+
 def bounds(starts: list[int], sizes: list[int]) -> np.ndarray:
     """``[start0, end0, start1, end1, ...]`` as uint64, for :func:`check_runs`."""
     out = np.empty(2 * len(starts), dtype=np.uint64)
@@ -312,6 +322,28 @@ class Endpoint:
         op_id = w.next_id()
         r = int(_native.lib.kvf_rma_now(
             self._h, op_id, 1 if is_put else 0, table.shape[1], ffi.from_buffer("uint64_t[]", table),
+            ffi.from_buffer("uint64_t[]", lbounds), lbounds.size // 2, memh_tab,
+            ffi.from_buffer("uint64_t[]", rbounds), rbounds.size // 2, rkey_tab, max_bytes, max_ns, st, nev,
+            left))
+        op = None
+        if r == -2:
+            op = Op.__new__(Op)
+            op.id, op._op = op_id, left[0]
+        return r, int(st[0]), int(nev[0]), op
+
+    def rma_block1(self, is_put: bool, lbase: np.ndarray, rbase: np.ndarray, stride: int, lblock: int,
+                   rblock: int, memh_tab: Any, lbounds: np.ndarray, rkey_tab: Any,
+                   rbounds: np.ndarray, max_bytes: int, max_ns: int) -> tuple[int, int, int, Op | None]:
+        """``kvf_rma_block1``: ``rma_now`` of block ``lblock`` of every local tensor and block
+        ``rblock`` of the same remote tensor (``*base``: the tensors' uint64 start addresses), planned
+        in C. Same results as ``rma_now``."""
+        ffi = _native.ffi
+        w = self.worker
+        st, nev, left = w._now_out
+        op_id = w.next_id()
+        r = int(_native.lib.kvf_rma_block1(
+            self._h, op_id, 1 if is_put else 0, lbase.size, ffi.from_buffer("uint64_t[]", lbase),
+            ffi.from_buffer("uint64_t[]", rbase), stride, lblock, rblock,
             ffi.from_buffer("uint64_t[]", lbounds), lbounds.size // 2, memh_tab,
             ffi.from_buffer("uint64_t[]", rbounds), rbounds.size // 2, rkey_tab, max_bytes, max_ns, st, nev,
             left))

@@ -337,6 +337,9 @@ class _Mapped:
     bounds: np.ndarray
 
 
+BlockInts = list[int] | tuple[int, ...]
+
+
 class _Replaced(Exception):
     """The UCP endpoint was reset while a transfer used it (internal: the transfer issues again)."""
 
@@ -465,6 +468,42 @@ class UcxEndpoint(Endpoint):
         keys = self._remote(batch.remote_cache)
         r, status, nev, op = self._ep.rma_now(write, batch.table, mapped.table, mapped.bounds, keys.table,
                                               keys.bounds, NOW_BYTES, NOW_SPIN_NS)
+        if r >= 0:  # a run out of bounds: nothing was issued
+            self._prepare(batch)  # raises what is out of bounds
+            raise LLMParamInvalid(f"run {r // 2} lies outside its region")  # (not reached)
+        return self._now_done(write, r, status, nev, op)
+
+    def write_now(self, batch: RunBatch) -> bool:
+        return self.read_now(batch, True)
+
+    def blocks_now(self, write: bool, local: LocalCache, remote: RemoteCache, src_blocks: BlockInts,
+                   dst_blocks: BlockInts) -> tuple[int, int] | None:
+        """One block pair over every tensor, planned and moved in one C call (``kvf_rma_block1``) on
+        the terms of ``read_now``; anything else, or anything out of bounds, is declined (the core
+        then plans in Python, and ``read_now`` or its planner says what is wrong)."""
+        if len(src_blocks) != 1 or len(dst_blocks) != 1:
+            return None
+        if self._dead is not None or self._closing is not None or not self._local_rma():
+            return None
+        ld, rd = local.desc, remote.desc
+        lb, rb = (src_blocks[0], dst_blocks[0]) if write else (dst_blocks[0], src_blocks[0])
+        if (ld.num_tensors != rd.num_tensors or ld.stride != rd.stride or not 0 <= lb < ld.num_blocks
+                or not 0 <= rb < rd.num_blocks):
+            return None
+        mapped = self._t._mapped.get(local.cache_id)
+        if mapped is None:
+            return None
+        keys = self._remote(remote)
+        r, status, nev, op = self._ep.rma_block1(write, local.addrs, remote.addrs, ld.stride, lb, rb,
+                                                 mapped.table, mapped.bounds, keys.table, keys.bounds,
+                                                 NOW_BYTES, NOW_SPIN_NS)
+        if r >= 0 or not self._now_done(write, r, status, nev, op):
+            return None
+        return ld.stride * ld.num_tensors, ld.num_tensors
+
+    def _now_done(self, write: bool, r: int, status: int, nev: int, op: ll.Op | None) -> bool:
+        """The end of an on-the-spot RMA call that was not refused for bounds: True once it moved the
+        batch, False if it was too large to try (nothing issued); a failure raises."""
         if nev:
             self._progress.kick()  # other operations' completions came in meanwhile
         what = "ucp_put_nbx" if write else "ucp_get_nbx"
@@ -474,17 +513,11 @@ class UcxEndpoint(Endpoint):
         elif r != -1:  # nothing was issued
             if r == -3:
                 return False
-            if r == -4:
-                raise LLMOutOfMemory("kvf_op_new: out of memory")
-            self._prepare(batch)  # raises what is out of bounds
-            raise LLMParamInvalid(f"run {r // 2} lies outside its region")  # (not reached)
+            raise LLMOutOfMemory("kvf_op_new: out of memory")
         if status != ll.UCS_OK:
             raise ll.ucx_error(status, what)
         self.moved_now += 1
         return True
-
-    def write_now(self, batch: RunBatch) -> bool:
-        return self.read_now(batch, True)
 
     def _poll_now(self, op_id: int, what: str) -> int:
         """Progress the worker on the spot until op ``op_id`` completes; its status. Other events go
