@@ -415,8 +415,9 @@ class LlmDataDist:
 
         With block indices: block push; without: whole-slot push (``src_batch_index`` to
         ``dst_cache_index.batch_index``). Checks that need only local state raise ``LLMParamInvalid``
-        here. Deadline: ``timeout_in_millis`` for the whole task, else ``llm.SyncKvCacheWaitTime`` per
-        layer. See docs/layerwise.md."""
+        here, except for block lists of more than 2048 entries: the task checks those in slices
+        first, and a bad one fails it. Deadline: ``timeout_in_millis`` for the whole task, else
+        ``llm.SyncKvCacheWaitTime`` per layer. See docs/layerwise.md."""
         self._ready()
         local = self._local(src_cache, "src_cache")
         return start_transfer(self._engine, local, layer_synchronizer, transfer_configs, src_block_indices,

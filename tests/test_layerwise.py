@@ -571,6 +571,32 @@ async def test_bad_input_raises_before_anything_happens(peers: Any) -> None:
 
 
 @pytest.mark.asyncio
+async def test_bad_long_block_lists_fail_the_task_before_anything_is_sent(peers: Any) -> None:
+    """Block lists longer than 2048 entries are checked in slices as the task starts (the call
+    returns at once): a bad one fails the task with LLMParamInvalid for every config, before the
+    synchronizer is asked for a layer or a byte moves."""
+    peer = peers["tcp"][0]
+    n = 3000
+    async with Prefill([peer]) as pf:
+        dst = await peer.register(16)
+        ci = CacheIndex(peer.cluster, dst)
+        sync = _Recording()
+        cases: list[tuple[str, list[int], list[int]]] = [
+            ("src_block_indices: block 6 is outside", [0] * (n - 1) + [6], list(range(n))),
+            ("names a block more than once", [0] * n, [*range(n - 1), 0]),
+            ("3000 entries, dst_block_indices has 2999", [0] * n, list(range(n - 1))),
+        ]
+        for match, src_blocks, dst_blocks in cases:
+            task = pf.dd.transfer_cache_async(pf.cache, sync, [TransferConfig(ci), TransferConfig(ci, (0, 2))],
+                                              src_blocks, dst_blocks)
+            with pytest.raises(LLMParamInvalid, match=match):
+                await task
+            assert task.get_results() == [S.LLM_PARAM_INVALID, S.LLM_PARAM_INVALID]
+        assert sync.asked == []
+        check_layers(await peer.read(dst), pf.src, 2, {}, BLOCK_MAP)  # no byte moved
+
+
+@pytest.mark.asyncio
 async def test_finalize_stops_a_running_task(peers: Any) -> None:
     peer = peers["tcp"][0]
     pf = Prefill([peer])
