@@ -762,7 +762,7 @@ int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t
    ext_param, equal tensor counts and equal block sizes (both sides' indices already checked): run t
    moves block lblock of local tensor t and block rblock of remote tensor t, in a (5, nt) table like
    RunBatch.table (local address, remote address, length, local tensor, remote tensor). The
-   hypothesis test in tests/test_ucx_transport.py holds the two planners to the same table. */
+   hypothesis test in tests/test_ucx_native.py holds the two planners to the same table. */
 void kvf_block1_table(size_t nt, const uint64_t *lbase, const uint64_t *rbase, uint64_t stride,
                       uint64_t lblock, uint64_t rblock, uint64_t *table)
 {
