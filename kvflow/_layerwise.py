@@ -250,22 +250,17 @@ class CacheTask:
 
     # ------------------------------------------------------------------ the coroutines
     async def _run(self) -> None:
-        if self._checks is not None:
-            try:
-                await run_steps_async(self._checks)
-            except LLMParamInvalid as exc:
-                for d in self._dests:
-                    self._fail(d, exc)
-                self._finish()
-                return
-            except asyncio.CancelledError:
-                self._halt(LLMFailed("transfer_cache_async: its event loop task was cancelled"))
-                self._finish()
-                raise
-            finally:
-                self._checks = None
-        senders = [asyncio.ensure_future(self._send(d)) for d in self._dests]
+        senders: list[asyncio.Future[None]] = []
         try:
+            checks, self._checks = self._checks, None
+            if checks is not None:
+                try:
+                    await run_steps_async(checks)
+                except LLMParamInvalid as exc:
+                    for d in self._dests:
+                        self._fail(d, exc)
+                    return
+            senders = [asyncio.ensure_future(self._send(d)) for d in self._dests]
             await self._sync_loop()
             self._sync_over = True
             for d in self._dests:

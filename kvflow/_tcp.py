@@ -610,26 +610,27 @@ class TcpChannel(CacheUser):
         if job is None:
             return
         job.stop()
-        self._rx_job = None
-        self._left = job.left
-        if self._closed is None:
-            self._loop.add_reader(self._fd, self._on_readable)
-        if self._left == 0:  # the thread had read it all; its hand-back is still queued (and now ignored)
-            self._payload_done()
+        self._rx_resume(job)  # if the thread had read it all, its queued hand-back is now ignored
 
     def _rx_back(self, job: pump.Job, fut: Future[None]) -> None:
         if job is not self._rx_job:
             return  # taken back earlier (_stop_rx)
-        self._rx_job = None
-        self._left = job.left
         exc = fut.exception()
         if exc is not None:
+            self._rx_job = None
             self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
             return
-        self._loop.add_reader(self._fd, self._on_readable)
+        self._rx_resume(job)
+        self._on_readable()  # what is already buffered (the reader fires for what comes later)
+
+    def _rx_resume(self, job: pump.Job) -> None:
+        """The loop reads again from where the stopped or returned ``job`` left the payload."""
+        self._rx_job = None
+        self._left = job.left
+        if self._closed is None:
+            self._loop.add_reader(self._fd, self._on_readable)
         if self._left == 0:
             self._payload_done()
-        self._on_readable()  # what is already buffered (the reader fires for what comes later)
 
     def _expect_payload(self, dests: Payload | None, nbytes: int, done: Callable[[], None],
                         op: _Op | None = None, pin: LocalCache | None = None, req_id: int = 0) -> None:
