@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
+from kvflow import Cache, CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
 from kvflow._bench import _caches, _serve
 from kvflow._proc import PeerProcess
 from kvflow._run import run
@@ -73,18 +73,18 @@ async def main(transport: str, n: int) -> None:
         peer.stop()
 
 
-async def _every(dd: LlmDataDist, remote: CacheIndex, cache: object, nb: int, peer_pid: int,
+async def _every(dd: LlmDataDist, remote: CacheIndex, cache: Cache, nb: int, peer_pid: int,
                  transport: str) -> None:
     for i in range(200):
-        await dd.pull_kv_blocks(remote, cache, [i % nb], [i % nb])  # type: ignore[arg-type]
+        await dd.pull_kv_blocks(remote, cache, [i % nb], [i % nb])
     await asyncio.sleep(0.5)
     mine, theirs, t0 = _cpu_s(os.getpid()), _cpu_s(peer_pid), time.perf_counter()
     n = 0
     while time.perf_counter() - t0 < 3:
         if PUSH:
-            await dd.push_kv_blocks(cache, remote, [n % nb], [n % nb])  # type: ignore[arg-type]
+            await dd.push_kv_blocks(cache, remote, [n % nb], [n % nb])
         else:
-            await dd.pull_kv_blocks(remote, cache, [n % nb], [n % nb])  # type: ignore[arg-type]
+            await dd.pull_kv_blocks(remote, cache, [n % nb], [n % nb])
         n += 1
         await asyncio.sleep(EVERY_MS / 1000)
     dt = time.perf_counter() - t0
