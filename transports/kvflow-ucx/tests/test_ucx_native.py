@@ -151,7 +151,7 @@ def test_two_processes_get_and_put(tls: str) -> None:
         close = w.new_op()
         ep.close(close, force=False)
         assert _drive(w, close) in (ll.UCS_OK, -25, -80)
-        ll.Endpoint.rkey_destroy(rkey)
+        w.rkey_destroy(rkey)
         w.mem_unmap(m)
         w.destroy()
     finally:
@@ -185,7 +185,7 @@ def test_a_dead_peer_fails_the_operation() -> None:
         close = w.new_op()
         ep.close(close, force=True)
         _drive(w, close)
-        ll.Endpoint.rkey_destroy(rkey)
+        w.rkey_destroy(rkey)
         w.mem_unmap(m)
         w.destroy()
     finally:
@@ -221,7 +221,7 @@ def test_sibling_worker_shares_the_context() -> None:
     close = w.new_op()
     ep.close(close, force=True)
     _drive(w, close)
-    ll.Endpoint.rkey_destroy(rkey)
+    w.rkey_destroy(rkey)
     w.mem_unmap(ms)
     w.mem_unmap(md)
     w.destroy()

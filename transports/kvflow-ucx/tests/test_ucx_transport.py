@@ -246,6 +246,57 @@ async def test_small_transfers_complete_on_the_spot_only_over_shared_memory(
         assert ep.moved_now - before == (9 if now else 0)  # type: ignore[union-attr]
 
 
+@pytest.mark.asyncio
+async def test_large_batches_over_shared_memory_are_copied_by_the_helper_thread_not_the_loop() -> None:
+    """Over CMA each progress call is a copy: a batch of HELPER_BYTES or more is progressed by the
+    worker's helper thread while the loop only issues and drains events. Checked by CPU time, the
+    loop thread's against the whole process's (which includes the helper's copying), not by wall
+    clock. Small pulls on the spot beside the large ones share the worker and land exactly."""
+    if _lib_version() < (1, 22):
+        pytest.skip("older UCX: no CMA RMA in peer-error mode")
+    from kvflow_ucx._transport import HELPER_BYTES
+
+    async with _linked_pair(_opts("sm")) as (a, b):
+        big = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[16, 4 << 20])  # 2 x 64 MiB
+        small = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[8, 4096])
+        rng = np.random.default_rng(11)
+        src = [rng.integers(0, 256, big.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        dst = [np.zeros(big.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        small_src = [rng.integers(0, 256, small.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        small_dst = [np.zeros(small.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        remote = CacheIndex(1, (await a.register_kv_cache(big, src)).cache_id)
+        remote_small = CacheIndex(1, (await a.register_kv_cache(small, small_src)).cache_id)
+        cb = await b.register_kv_cache(big, dst)
+        cs = await b.register_kv_cache(small, small_dst)
+        await b.pull_kv_blocks(remote_small, cs, [0], [0])  # wires the endpoint up
+        ep = inspect.link(b, 1).endpoint
+        progress, now_before = ep._progress, ep.moved_now  # type: ignore[union-attr]
+        assert big.tensor_bytes * 2 >= HELPER_BYTES
+        every = list(range(16))
+        handovers = progress.handovers
+        loop_cpu = all_cpu = 0.0
+        for i in range(4):
+            for d in dst:
+                d[:] = 0
+            cpu0, all0 = time.thread_time(), time.process_time()
+            task = asyncio.ensure_future(b.pull_kv_blocks(remote, cb, every, every))
+            await asyncio.sleep(0)
+            await b.pull_kv_blocks(remote_small, cs, [i], [7 - i])  # on the spot, beside the large pull
+            await task
+            loop_cpu += time.thread_time() - cpu0
+            all_cpu += time.process_time() - all0
+            assert all(np.array_equal(s_, d_) for s_, d_ in zip(src, dst, strict=True))
+        print(f"\nloop thread {loop_cpu * 1e3:.1f} ms of CPU, process {all_cpu * 1e3:.1f} ms, for 4 pulls of "
+              f"{big.tensor_bytes * 2 >> 20} MiB")
+        assert progress.handovers > handovers
+        assert loop_cpu < 0.5 * all_cpu
+        assert ep.moved_now - now_before == 4  # type: ignore[union-attr]
+        for t in range(2):
+            for i in range(4):
+                assert np.array_equal(small_dst[t][(7 - i) * 4096:(8 - i) * 4096],
+                                      small_src[t][i * 4096:(i + 1) * 4096])
+
+
 @pytest.mark.requires_rdma
 @pytest.mark.asyncio
 async def test_conformance_over_rdma() -> None:

@@ -85,6 +85,9 @@ int kvf_worker_sibling(kvf_worker *parent, kvf_worker **out);
 void kvf_worker_destroy(kvf_worker *w);
 int kvf_worker_efd(kvf_worker *w);
 int kvf_worker_arm(kvf_worker *w);
+int kvf_worker_notify_fd(kvf_worker *w);
+int kvf_helper_start(kvf_worker *w, int idle);
+int kvf_helper_busy(kvf_worker *w);
 unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns, uint64_t spin_ns,
                              int *more);
 size_t kvf_worker_events(kvf_worker *w, kvf_event *out, size_t max);
@@ -98,7 +101,7 @@ int kvf_rkey_pack(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len);
 
 int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out);
 int kvf_ep_rkey_unpack(kvf_ep *e, const void *buf, ucp_rkey_h *out);
-void kvf_rkey_destroy(ucp_rkey_h rkey);
+void kvf_rkey_destroy(kvf_worker *w, ucp_rkey_h rkey);
 int kvf_ep_close(kvf_ep *e, int force, kvf_op *op);
 char *kvf_ep_info(kvf_ep *e);
 
@@ -128,11 +131,17 @@ int64_t kvf_rma_block1(kvf_ep *e, uint64_t id, int is_put, size_t nt, const uint
 """
 
 SOURCE = r"""
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 
 #define KVF_EV_OP 1
@@ -146,15 +155,45 @@ typedef struct {
     int32_t status;
 } kvf_event;
 
+/* One lock per UCP context, shared by its workers: every call into UCX, and every read or write
+ * of a worker's events, in-flight count or operations, holds it, so that the loop thread and a
+ * worker's helper thread (kvf_helper_start) never use the context at the same time. Recursive:
+ * kvf_rma_now calls kvf_rma. ``want`` counts loop-thread callers waiting for it; the helper steps
+ * aside for them between two progress calls. */
+typedef struct kvf_lock {
+    pthread_mutex_t mu;
+    int want;
+} kvf_lock;
+
 typedef struct kvf_worker {
     ucp_context_h ctx;
     int owns_ctx;  /* 0 for a sibling: another worker on its parent's context */
+    kvf_lock *lk;  /* the context's, owned by the worker that owns the context */
     ucp_worker_h worker;
     int efd;
+    /* completion events for the loop to drain: under evmu only, so that the loop drains them
+     * without waiting for a progress call of the helper */
+    pthread_mutex_t evmu;
     kvf_event *ev;
     size_t nev, cap;
-    uint64_t inflight;  /* bytes of RMA issued and not yet completed locally */
+    uint64_t inflight;  /* bytes of RMA issued and not yet completed locally (read without a lock) */
+    /* the helper thread: it progresses the worker while helper_on, until no RMA byte is in flight */
+    pthread_t helper;
+    pthread_cond_t cv;
+    int helper_started, helper_on, helper_idle, stop;
+    int notify_fd;  /* written when the helper has events or freed window for the loop */
+    int notified;   /* the loop has been told and has not drained events since */
+    int wake;       /* in-flight bytes went down since the loop was last told */
 } kvf_worker;
+
+static void kvf_enter(kvf_worker *w)
+{
+    __atomic_add_fetch(&w->lk->want, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_lock(&w->lk->mu);
+    __atomic_sub_fetch(&w->lk->want, 1, __ATOMIC_SEQ_CST);
+}
+
+static void kvf_leave(kvf_worker *w) { pthread_mutex_unlock(&w->lk->mu); }
 
 typedef struct kvf_ep {
     kvf_worker *w;
@@ -174,6 +213,7 @@ typedef struct kvf_op {
 
 static void kvf_push(kvf_worker *w, uint64_t id, int kind, ucs_status_t status)
 {
+    pthread_mutex_lock(&w->evmu);
     if (w->nev == w->cap) {
         size_t cap = w->cap ? w->cap * 2 : 64;
         kvf_event *ev = realloc(w->ev, cap * sizeof(*ev));
@@ -187,7 +227,12 @@ static void kvf_push(kvf_worker *w, uint64_t id, int kind, ucs_status_t status)
     w->ev[w->nev].kind = kind;
     w->ev[w->nev].status = status;
     w->nev++;
+    pthread_mutex_unlock(&w->evmu);
 }
+
+static size_t kvf_nev(kvf_worker *w) { return __atomic_load_n(&w->nev, __ATOMIC_RELAXED); }
+
+static uint64_t kvf_inflight(kvf_worker *w) { return __atomic_load_n(&w->inflight, __ATOMIC_ACQUIRE); }
 
 const char *kvf_status_string(int status) { return ucs_status_string((ucs_status_t)status); }
 
@@ -207,24 +252,61 @@ void kvf_versions(unsigned *hdr_major, unsigned *hdr_minor,
     ucp_get_version(lib_major, lib_minor, lib_release);
 }
 
-/* A single-threaded worker on w->ctx, with its event fd. */
+/* A worker on w->ctx used by one thread at a time (the context's lock), with its event fd and the
+ * eventfd its helper thread tells the loop through. */
 static ucs_status_t kvf_worker_open(kvf_worker *w)
 {
     ucp_worker_params_t wparams;
     ucs_status_t st;
 
+    if (pthread_cond_init(&w->cv, NULL) != 0) {
+        return UCS_ERR_NO_RESOURCE;
+    }
+    if (pthread_mutex_init(&w->evmu, NULL) != 0) {
+        pthread_cond_destroy(&w->cv);
+        return UCS_ERR_NO_RESOURCE;
+    }
+    w->notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (w->notify_fd < 0) {
+        pthread_mutex_destroy(&w->evmu);
+        pthread_cond_destroy(&w->cv);
+        return UCS_ERR_NO_RESOURCE;
+    }
     memset(&wparams, 0, sizeof(wparams));
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    kvf_enter(w);
     st = ucp_worker_create(w->ctx, &wparams, &w->worker);
-    if (st != UCS_OK) {
-        return st;
+    if (st == UCS_OK) {
+        st = ucp_worker_get_efd(w->worker, &w->efd);
+        if (st != UCS_OK) {
+            ucp_worker_destroy(w->worker);
+        }
     }
-    st = ucp_worker_get_efd(w->worker, &w->efd);
+    kvf_leave(w);
     if (st != UCS_OK) {
-        ucp_worker_destroy(w->worker);
+        close(w->notify_fd);
+        pthread_mutex_destroy(&w->evmu);
+        pthread_cond_destroy(&w->cv);
     }
     return st;
+}
+
+static kvf_lock *kvf_lock_new(void)
+{
+    pthread_mutexattr_t a;
+    kvf_lock *lk = calloc(1, sizeof(*lk));
+    if (lk == NULL) {
+        return NULL;
+    }
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+    if (pthread_mutex_init(&lk->mu, &a) != 0) {
+        free(lk);
+        lk = NULL;
+    }
+    pthread_mutexattr_destroy(&a);
+    return lk;
 }
 
 int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_worker **out)
@@ -235,20 +317,19 @@ int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_work
     size_t i;
     kvf_worker *w = calloc(1, sizeof(*w));
 
-    if (w == NULL) {
+    if (w == NULL || (w->lk = kvf_lock_new()) == NULL) {
+        free(w);
         return UCS_ERR_NO_MEMORY;
     }
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
-        free(w);
-        return st;
+        goto fail;
     }
     for (i = 0; i < n; i++) {
         st = ucp_config_modify(config, keys[i], values[i]);
         if (st != UCS_OK) {
             ucp_config_release(config);
-            free(w);
-            return st;
+            goto fail;
         }
     }
     memset(&params, 0, sizeof(params));
@@ -260,18 +341,21 @@ int kvf_worker_create(const char **keys, const char **values, size_t n, kvf_work
     st = ucp_init(&params, config, &w->ctx);
     ucp_config_release(config);
     if (st != UCS_OK) {
-        free(w);
-        return st;
+        goto fail;
     }
     w->owns_ctx = 1;
     st = kvf_worker_open(w);
     if (st != UCS_OK) {
         ucp_cleanup(w->ctx);
-        free(w);
-        return st;
+        goto fail;
     }
     *out = w;
     return UCS_OK;
+fail:
+    pthread_mutex_destroy(&w->lk->mu);
+    free(w->lk);
+    free(w);
+    return st;
 }
 
 /* Another worker on the parent's context: memory maps and packed rkeys are the context's, so
@@ -285,6 +369,7 @@ int kvf_worker_sibling(kvf_worker *parent, kvf_worker **out)
         return UCS_ERR_NO_MEMORY;
     }
     w->ctx = parent->ctx;
+    w->lk = parent->lk;
     st = kvf_worker_open(w);
     if (st != UCS_OK) {
         free(w);
@@ -294,19 +379,45 @@ int kvf_worker_sibling(kvf_worker *parent, kvf_worker **out)
     return UCS_OK;
 }
 
+/* Stops and joins the helper thread first. */
 void kvf_worker_destroy(kvf_worker *w)
 {
+    kvf_enter(w);
+    w->stop = 1;
+    pthread_cond_signal(&w->cv);
+    kvf_leave(w);
+    if (w->helper_started) {
+        pthread_join(w->helper, NULL);
+    }
+    kvf_enter(w);
     ucp_worker_destroy(w->worker);
     if (w->owns_ctx) {
         ucp_cleanup(w->ctx);
     }
+    kvf_leave(w);
+    if (w->owns_ctx) {
+        pthread_mutex_destroy(&w->lk->mu);
+        free(w->lk);
+    }
+    close(w->notify_fd);
+    pthread_mutex_destroy(&w->evmu);
+    pthread_cond_destroy(&w->cv);
     free(w->ev);
     free(w);
 }
 
 int kvf_worker_efd(kvf_worker *w) { return w->efd; }
 
-int kvf_worker_arm(kvf_worker *w) { return ucp_worker_arm(w->worker); }
+int kvf_worker_notify_fd(kvf_worker *w) { return w->notify_fd; }
+
+int kvf_worker_arm(kvf_worker *w)
+{
+    int st;
+    kvf_enter(w);
+    st = ucp_worker_arm(w->worker);
+    kvf_leave(w);
+    return st;
+}
 
 static uint64_t kvf_now_ns(void)
 {
@@ -322,15 +433,18 @@ unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns
                              int *more)
 {
     unsigned total = 0, n, r;
+    int idle;
     uint64_t start = kvf_now_ns(), now, last = start;
     *more = 0;
     for (r = 0; r < max_rounds; r++) {
+        kvf_enter(w);
         n = ucp_worker_progress(w->worker);
+        idle = kvf_inflight(w) == 0 || kvf_nev(w) != 0;
+        kvf_leave(w);
         now = (n != 0 || spin_ns != 0) ? kvf_now_ns() : 0;
         if (n == 0) {
             /* spin only while bytes are in flight and no completion waits to be delivered */
-            if (spin_ns == 0 || w->inflight == 0 || w->nev != 0 || now - last > spin_ns ||
-                now - start > max_ns) {
+            if (spin_ns == 0 || idle || now - last > spin_ns || now - start > max_ns) {
                 return total;
             }
             r--;  /* spinning while operations are in flight: bounded by time, not rounds */
@@ -346,16 +460,21 @@ unsigned kvf_worker_progress(kvf_worker *w, unsigned max_rounds, uint64_t max_ns
     return total;
 }
 
+/* Takes only evmu: draining never waits for a progress call. */
 size_t kvf_worker_events(kvf_worker *w, kvf_event *out, size_t max)
 {
-    size_t n = w->nev < max ? w->nev : max;
+    size_t n;
+    pthread_mutex_lock(&w->evmu);
+    n = w->nev < max ? w->nev : max;
     memcpy(out, w->ev, n * sizeof(*out));
     memmove(w->ev, w->ev + n, (w->nev - n) * sizeof(*out));
     w->nev -= n;
+    w->notified = 0;
+    pthread_mutex_unlock(&w->evmu);
     return n;
 }
 
-int kvf_worker_address(kvf_worker *w, void **addr, size_t *len)
+static int kvf_worker_address_u(kvf_worker *w, void **addr, size_t *len)
 {
     ucp_worker_attr_t attr;
     ucs_status_t st;
@@ -379,7 +498,7 @@ int kvf_worker_address(kvf_worker *w, void **addr, size_t *len)
     return UCS_OK;
 }
 
-char *kvf_worker_info(kvf_worker *w)
+static char *kvf_worker_info_u(kvf_worker *w)
 {
     char *buf = NULL;
     size_t len = 0;
@@ -392,7 +511,7 @@ char *kvf_worker_info(kvf_worker *w)
     return buf;
 }
 
-char *kvf_context_info(kvf_worker *w)
+static char *kvf_context_info_u(kvf_worker *w)
 {
     char *buf = NULL;
     size_t len = 0;
@@ -405,7 +524,7 @@ char *kvf_context_info(kvf_worker *w)
     return buf;
 }
 
-int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out)
+static int kvf_mem_map_u(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out)
 {
     ucp_mem_map_params_t p;
     memset(&p, 0, sizeof(p));
@@ -419,9 +538,9 @@ int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_
     return ucp_mem_map(w->ctx, &p, out);
 }
 
-int kvf_mem_unmap(kvf_worker *w, ucp_mem_h memh) { return ucp_mem_unmap(w->ctx, memh); }
+static int kvf_mem_unmap_u(kvf_worker *w, ucp_mem_h memh) { return ucp_mem_unmap(w->ctx, memh); }
 
-int kvf_rkey_pack(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len)
+static int kvf_rkey_pack_u(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len)
 {
     void *rbuf;
     void *copy;
@@ -449,7 +568,7 @@ static void kvf_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     }
 }
 
-int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
+static int kvf_ep_create_u(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
 {
     ucp_ep_params_t p;
     ucs_status_t st;
@@ -476,14 +595,19 @@ int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
     return UCS_OK;
 }
 
-int kvf_ep_rkey_unpack(kvf_ep *e, const void *buf, ucp_rkey_h *out)
+static int kvf_ep_rkey_unpack_u(kvf_ep *e, const void *buf, ucp_rkey_h *out)
 {
     return ucp_ep_rkey_unpack(e->ep, buf, out);
 }
 
-void kvf_rkey_destroy(ucp_rkey_h rkey) { ucp_rkey_destroy(rkey); }
+void kvf_rkey_destroy(kvf_worker *w, ucp_rkey_h rkey)
+{
+    kvf_enter(w);
+    ucp_rkey_destroy(rkey);
+    kvf_leave(w);
+}
 
-char *kvf_ep_info(kvf_ep *e)
+static char *kvf_ep_info_u(kvf_ep *e)
 {
     char *buf = NULL;
     size_t len = 0;
@@ -583,7 +707,8 @@ typedef struct kvf_chunk {
 static void kvf_chunk_release(kvf_chunk *c)
 {
     if (--c->pending == 0) {
-        c->op->w->inflight -= c->bytes;
+        __atomic_sub_fetch(&c->op->w->inflight, c->bytes, __ATOMIC_RELEASE);
+        c->op->w->wake = 1;
         kvf_op_release(c->op);
         free(c);
     }
@@ -599,9 +724,9 @@ static void kvf_chunk_cb(void *request, ucs_status_t status, void *user_data)
     kvf_chunk_release(c);
 }
 
-uint64_t kvf_worker_inflight(kvf_worker *w) { return w->inflight; }
+uint64_t kvf_worker_inflight(kvf_worker *w) { return kvf_inflight(w); }
 
-size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
+static size_t kvf_rma_u(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
                const int64_t *lidx, ucp_mem_h *memh_tab,
                const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes)
@@ -669,12 +794,12 @@ size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
         }
     }
     c->bytes = bytes;
-    op->w->inflight += bytes;
+    __atomic_add_fetch(&op->w->inflight, bytes, __ATOMIC_RELEASE);
     kvf_chunk_release(c);
     return i;
 }
 
-int kvf_op_flush(kvf_op *op, kvf_ep *e)
+static int kvf_op_flush_u(kvf_op *op, kvf_ep *e)
 {
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
@@ -684,11 +809,12 @@ int kvf_op_flush(kvf_op *op, kvf_ep *e)
     return kvf_op_track(op, ucp_ep_flush_nbx(e->ep, &p));
 }
 
-int kvf_op_status(kvf_op *op) { return op->status; }
+/* Without the lock: callbacks set the status under it, once, from UCS_OK to an error. */
+int kvf_op_status(kvf_op *op) { return __atomic_load_n(&op->status, __ATOMIC_RELAXED); }
 
 /* Drop the issuing reference. Returns 1 if the op is complete (and freed; *status is set),
  * 0 if a KVF_EV_OP event with its id will follow. */
-int kvf_op_finish(kvf_op *op, int *status)
+static int kvf_op_finish_u(kvf_op *op, int *status)
 {
     if (op->pending == 1) {
         *status = op->status;
@@ -708,7 +834,7 @@ int kvf_op_finish(kvf_op *op, int *status)
  * issued), -4 when out of memory (nothing issued), -2 when they are still in flight after
  * ``max_ns``: *left is then the op, for the caller to finish (its event follows). *nev: completion
  * events of other operations waiting in the worker's queue. */
-int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
+static int64_t kvf_rma_now_u(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
                     const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
                     const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
                     uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left)
@@ -736,7 +862,7 @@ int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t
         return -4;
     }
     *left = NULL;
-    kvf_rma(op, e, is_put, n, laddr, raddr, len, lidx, memh_tab, ridx, rkey_tab, UINT64_MAX);
+    kvf_rma_u(op, e, is_put, n, laddr, raddr, len, lidx, memh_tab, ridx, rkey_tab, UINT64_MAX);
     while (op->pending > 1) {
         ucp_worker_progress(op->w->worker);
         if (op->pending == 1) {
@@ -746,13 +872,13 @@ int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t
         if (start == 0) {
             start = now;
         } else if (now - start > max_ns) {
-            *nev = (int)op->w->nev;
+            *nev = (int)kvf_nev(op->w);
             *left = op;
             return -2;
         }
     }
     *status = op->status;
-    *nev = (int)op->w->nev;
+    *nev = (int)kvf_nev(op->w);
     free(op->free_ep);
     free(op);
     return -1;
@@ -787,17 +913,21 @@ int64_t kvf_rma_block1(kvf_ep *e, uint64_t id, int is_put, size_t nt, const uint
                        uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left)
 {
     uint64_t table[5 * KVF_BLOCK1_TENSORS];
+    int64_t r;
     *nev = 0;
     if (nt == 0 || nt > KVF_BLOCK1_TENSORS || stride == 0 || stride > max_bytes / nt) {
         return -3;
     }
     kvf_block1_table(nt, lbase, rbase, stride, lblock, rblock, table);
-    return kvf_rma_now(e, id, is_put, nt, table, lbounds, nl, memh_tab, rbounds, nr, rkey_tab, max_bytes,
-                       max_ns, status, nev, left);
+    kvf_enter(e->w);
+    r = kvf_rma_now_u(e, id, is_put, nt, table, lbounds, nl, memh_tab, rbounds, nr, rkey_tab, max_bytes,
+                      max_ns, status, nev, left);
+    kvf_leave(e->w);
+    return r;
 }
 
 /* Close an endpoint; its record is freed when ``op`` completes. */
-int kvf_ep_close(kvf_ep *e, int force, kvf_op *op)
+static int kvf_ep_close_u(kvf_ep *e, int force, kvf_op *op)
 {
     ucp_request_param_t p;
     e->closing = 1;
@@ -809,6 +939,225 @@ int kvf_ep_close(kvf_ep *e, int force, kvf_op *op)
     p.cb.send = kvf_op_cb;
     p.user_data = op;
     return kvf_op_track(op, ucp_ep_close_nbx(e->ep, &p));
+}
+
+/* The helper thread: while helper_on, it progresses the worker (each call under the lock, stepping
+ * aside for loop-thread callers in between) and tells the loop through notify_fd when there are
+ * events or freed window; once no RMA byte is in flight it tells the loop one last time and waits
+ * for the next kvf_helper_start. With nothing to progress it backs off from yielding to sleeping
+ * 50 us, so a stalled operation costs little CPU. */
+static void *kvf_helper_main(void *arg)
+{
+    kvf_worker *w = arg;
+    unsigned n, quiet = 0;
+    uint64_t one = 1;
+    struct timespec nap = {0, 50000};
+
+    if (w->helper_idle) {  /* like kvflow's copy threads: only a core no other thread wants */
+        struct sched_param sp = {0};
+        pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+    }
+    pthread_mutex_lock(&w->lk->mu);
+    for (;;) {
+        while (!w->stop && !w->helper_on) {
+            pthread_cond_wait(&w->cv, &w->lk->mu);
+        }
+        if (w->stop) {
+            break;
+        }
+        n = ucp_worker_progress(w->worker);
+        if (kvf_inflight(w) == 0) {
+            __atomic_store_n(&w->helper_on, 0, __ATOMIC_RELEASE);
+            w->wake = 1;
+        }
+        pthread_mutex_lock(&w->evmu);
+        if ((w->wake || w->nev != 0) && !w->notified) {
+            w->notified = 1;
+            w->wake = 0;
+            if (write(w->notify_fd, &one, sizeof(one)) < 0 && errno != EAGAIN) {
+                w->notified = 0;
+            }
+        }
+        pthread_mutex_unlock(&w->evmu);
+        pthread_mutex_unlock(&w->lk->mu);
+        quiet = n != 0 ? 0 : quiet + 1;
+        if (quiet > 64) {
+            nanosleep(&nap, NULL);
+        } else if (quiet > 0 || __atomic_load_n(&w->lk->want, __ATOMIC_SEQ_CST) != 0) {
+            sched_yield();
+        }
+        while (__atomic_load_n(&w->lk->want, __ATOMIC_SEQ_CST) != 0) {
+            sched_yield();
+        }
+        pthread_mutex_lock(&w->lk->mu);
+    }
+    pthread_mutex_unlock(&w->lk->mu);
+    return NULL;
+}
+
+/* Have the helper thread progress the worker until no RMA byte is in flight (started on first
+ * use; under SCHED_IDLE if ``idle``). Returns UCS_OK, or UCS_ERR_NO_RESOURCE if the thread could
+ * not be created. */
+int kvf_helper_start(kvf_worker *w, int idle)
+{
+    int st = UCS_OK;
+    sigset_t all, old;
+    kvf_enter(w);
+    if (!w->helper_started) {
+        sigfillset(&all);  /* signals stay with the process's other threads */
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        w->helper_idle = idle;
+        if (pthread_create(&w->helper, NULL, kvf_helper_main, w) == 0) {
+            w->helper_started = 1;
+        } else {
+            st = UCS_ERR_NO_RESOURCE;
+        }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    if (st == UCS_OK && !w->helper_on && !w->stop) {
+        __atomic_store_n(&w->helper_on, 1, __ATOMIC_RELEASE);
+        pthread_cond_signal(&w->cv);
+    }
+    kvf_leave(w);
+    return st;
+}
+
+/* Whether the helper thread is progressing the worker (the loop then only drains events). */
+int kvf_helper_busy(kvf_worker *w) { return __atomic_load_n(&w->helper_on, __ATOMIC_ACQUIRE); }
+
+/* The entry points above, each under the context's lock. */
+int kvf_worker_address(kvf_worker *w, void **addr, size_t *len)
+{
+    int r;
+    kvf_enter(w);
+    r = kvf_worker_address_u(w, addr, len);
+    kvf_leave(w);
+    return r;
+}
+
+char *kvf_worker_info(kvf_worker *w)
+{
+    char *r;
+    kvf_enter(w);
+    r = kvf_worker_info_u(w);
+    kvf_leave(w);
+    return r;
+}
+
+char *kvf_context_info(kvf_worker *w)
+{
+    char *r;
+    kvf_enter(w);
+    r = kvf_context_info_u(w);
+    kvf_leave(w);
+    return r;
+}
+
+int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out)
+{
+    int r;
+    kvf_enter(w);
+    r = kvf_mem_map_u(w, addr, len, mem_type, out);
+    kvf_leave(w);
+    return r;
+}
+
+int kvf_mem_unmap(kvf_worker *w, ucp_mem_h memh)
+{
+    int r;
+    kvf_enter(w);
+    r = kvf_mem_unmap_u(w, memh);
+    kvf_leave(w);
+    return r;
+}
+
+int kvf_rkey_pack(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len)
+{
+    int r;
+    kvf_enter(w);
+    r = kvf_rkey_pack_u(w, memh, buf, len);
+    kvf_leave(w);
+    return r;
+}
+
+int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
+{
+    int r;
+    kvf_enter(w);
+    r = kvf_ep_create_u(w, addr, id, out);
+    kvf_leave(w);
+    return r;
+}
+
+int kvf_ep_rkey_unpack(kvf_ep *e, const void *buf, ucp_rkey_h *out)
+{
+    int r;
+    kvf_enter(e->w);
+    r = kvf_ep_rkey_unpack_u(e, buf, out);
+    kvf_leave(e->w);
+    return r;
+}
+
+char *kvf_ep_info(kvf_ep *e)
+{
+    char *r;
+    kvf_enter(e->w);
+    r = kvf_ep_info_u(e);
+    kvf_leave(e->w);
+    return r;
+}
+
+size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
+               const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
+               const int64_t *lidx, ucp_mem_h *memh_tab,
+               const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes)
+{
+    size_t r;
+    kvf_enter(e->w);
+    r = kvf_rma_u(op, e, is_put, n, laddr, raddr, len, lidx, memh_tab, ridx, rkey_tab, max_bytes);
+    kvf_leave(e->w);
+    return r;
+}
+
+int kvf_op_flush(kvf_op *op, kvf_ep *e)
+{
+    int r;
+    kvf_enter(e->w);
+    r = kvf_op_flush_u(op, e);
+    kvf_leave(e->w);
+    return r;
+}
+
+int kvf_op_finish(kvf_op *op, int *status)
+{
+    int r;
+    kvf_worker *w = op->w;  /* the op may be freed */
+    kvf_enter(w);
+    r = kvf_op_finish_u(op, status);
+    kvf_leave(w);
+    return r;
+}
+
+int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
+                    const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
+                    const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
+                    uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left)
+{
+    int64_t r;
+    kvf_enter(e->w);
+    r = kvf_rma_now_u(e, id, is_put, n, table, lbounds, nl, memh_tab, rbounds, nr, rkey_tab, max_bytes,
+                      max_ns, status, nev, left);
+    kvf_leave(e->w);
+    return r;
+}
+
+int kvf_ep_close(kvf_ep *e, int force, kvf_op *op)
+{
+    int r;
+    kvf_enter(e->w);
+    r = kvf_ep_close_u(e, force, op);
+    kvf_leave(e->w);
+    return r;
 }
 """
 

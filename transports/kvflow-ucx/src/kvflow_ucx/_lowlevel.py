@@ -286,14 +286,10 @@ class Endpoint:
         return self._e
 
     def rkey_unpack(self, packed: bytes) -> Any:
-        """An unpacked remote key (``ucp_rkey_h``); destroy with :meth:`rkey_destroy`."""
+        """An unpacked remote key (``ucp_rkey_h``); destroy with :meth:`Worker.rkey_destroy`."""
         out = self.worker.ffi.new("ucp_rkey_h *")
         _check(self.worker.lib.kvf_ep_rkey_unpack(self._h, packed, out), "ucp_ep_rkey_unpack")
         return out[0]
-
-    @staticmethod
-    def rkey_destroy(rkey: Any) -> None:
-        _native.lib.kvf_rkey_destroy(rkey)
 
     def rma(self, op: Op, is_put: bool, laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray,
             lidx: np.ndarray, memh_tab: Any, ridx: np.ndarray, rkey_tab: Any, max_bytes: int) -> int:
@@ -368,8 +364,9 @@ class Endpoint:
 
 
 class Worker:
-    """A UCP context (features RMA and WAKEUP) and one single-threaded worker on it, or (``parent``)
-    another worker on the parent's context.
+    """A UCP context (features RMA and WAKEUP) and one worker on it, or (``parent``) another worker on
+    the parent's context. Every call takes the context's lock, so the loop thread and the worker's
+    helper thread (:meth:`helper_start`) take turns.
 
     ``config`` entries are UCX variables without the ``UCX_`` prefix (``{"TLS": "tcp"}``) and
     override the environment for this worker only."""
@@ -397,6 +394,7 @@ class Worker:
         if parent is not None:
             parent._siblings.append(self)
         self.efd: int = lib.kvf_worker_efd(self._w)
+        self.notify_fd: int = lib.kvf_worker_notify_fd(self._w)
         buf = ffi.new("void **")
         n = ffi.new("size_t *")
         _check(lib.kvf_worker_address(self._w, buf, n), "ucp_worker_query")
@@ -448,6 +446,20 @@ class Worker:
     def inflight(self) -> int:
         """Bytes of get/put issued on this worker that have not completed yet."""
         return self.lib.kvf_worker_inflight(self._h)
+
+    def helper_start(self, idle: bool = True) -> None:
+        """Have the worker's helper thread progress it until no RMA byte is in flight; it writes to
+        :attr:`notify_fd` when there are events to drain or window freed, and once when it stops.
+        ``idle``: the thread, when first started, runs under ``SCHED_IDLE``."""
+        _check(self.lib.kvf_helper_start(self._h, 1 if idle else 0), "pthread_create")
+
+    def helper_busy(self) -> bool:
+        """Whether the helper thread is progressing the worker (the loop then only drains events)."""
+        return bool(self.lib.kvf_helper_busy(self._h))
+
+    def rkey_destroy(self, rkey: Any) -> None:
+        """Destroy an rkey unpacked on one of this worker's endpoints."""
+        self.lib.kvf_rkey_destroy(self._h, rkey)
 
     def arm(self) -> int:
         """``ucp_worker_arm``: ``UCS_OK`` (safe to sleep on ``efd``) or ``UCS_ERR_BUSY`` (progress again)."""

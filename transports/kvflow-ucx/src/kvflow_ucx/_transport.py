@@ -18,11 +18,18 @@ millisecond, dispatches completions, and re-arms. ``UCS_ERR_BUSY`` from the arm 
 more to do, so it progresses again on the next loop iteration; otherwise it sleeps until the
 fd fires. An idle linked pair therefore costs no CPU.
 
+Over shared memory (CMA, knem, xpmem) progress is where the bytes are copied, so a batch of at
+least ``HELPER_BYTES`` is progressed by the worker's helper thread instead (C, no GIL, under
+``SCHED_IDLE`` unless ``kvflow.WorkerPriority=normal``): the loop issues it, stops watching UCX's
+fd, and drains the events the helper announces through its own eventfd; the helper stops once no
+byte is in flight, and the loop takes over again. One lock per UCP context serializes every call
+into UCX between the two threads.
+
 Small batches over shared memory skip all of that: ``read_now``/``write_now`` check, issue and
 complete a batch of at most ``NOW_BYTES`` in one C call that polls the worker until it is done,
 when the endpoint's RMA lanes are ones this process carries out itself (CMA, knem, xpmem), so that
-it completes within microseconds whatever the peer does. The worker is single-threaded: only the
-loop thread takes this path (``now_threadsafe`` is False).
+it completes within microseconds whatever the peer does. Only the loop thread takes this path
+(``now_threadsafe`` is False): its events and futures are the loop's.
 """
 
 from __future__ import annotations
@@ -69,6 +76,13 @@ RESET_PURGE_S = 1.0
 #: While operations are in flight and the worker sleeps on its fd, wake up this often anyway
 #: (a safety net: UCX signals completions through the fd; ``rescues`` counts the times it did not).
 WATCHDOG_S = 0.05
+#: A batch of at least this many bytes over lanes where this process moves the bytes itself (CMA,
+#: knem, xpmem) is progressed by the worker's helper thread, not on the loop: there each progress
+#: call is a copy, and a large transfer held the caller's loop in 0.5 ms passes, back to back.
+#: Smaller ones are progressed on the loop: handing over costs about 100 us (the thread's and the
+#: loop's wake-ups), so one pull of 1 MiB took 156 us on the loop and 216-226 us through the helper,
+#: and the two meet at 2 MiB (265-340 against 297-306 us; docs/benchmarks.md).
+HELPER_BYTES = 2 << 20
 #: ``read_now``/``write_now``: a batch of at most this many bytes is issued and completed on the
 #: spot, without the event fd, when the endpoint's RMA lanes are ones where the initiator's own
 #: process moves the bytes (cross-memory attach, knem, xpmem: the peer takes no part).
@@ -193,8 +207,9 @@ def _split(laddr: np.ndarray, raddr: np.ndarray, lengths: np.ndarray, lidx: np.n
 class _Progress:
     """Drives one worker from the event loop and turns completion events into futures."""
 
-    def __init__(self, worker: ll.Worker, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, worker: ll.Worker, loop: asyncio.AbstractEventLoop, idle_helper: bool = True) -> None:
         self.worker = worker
+        self.idle_helper = idle_helper  # the helper thread runs under SCHED_IDLE (kvflow.WorkerPriority)
         self.loop = loop
         self.ops: dict[int, asyncio.Future[None]] = {}  # op id -> future, until the op's event arrives
         self.what: dict[int, str] = {}
@@ -207,7 +222,10 @@ class _Progress:
         self.closed = False
         self.rescues = 0  # completions found by the watchdog, not announced by the fd
         self.wakeups = 0
+        self.helper = False  # the worker's helper thread progresses it; the loop only drains events
+        self.handovers = 0  # times a batch was handed to the helper thread
         loop.add_reader(self._fd, self._on_readable)
+        loop.add_reader(worker.notify_fd, self._on_notify)
         self.kick()
 
     def track(self, op: ll.Op, what: str) -> asyncio.Future[None]:
@@ -228,8 +246,24 @@ class _Progress:
         self._waiters.append(fut)
         return fut
 
+    def hand_over(self) -> None:
+        """Let the worker's helper thread progress it (and so move the bytes over shared memory)
+        until no get/put byte is in flight; meanwhile the loop drains the events it announces."""
+        if not self.helper:
+            self.helper = True
+            self.handovers += 1
+            self.loop.remove_reader(self._fd)  # UCX's fd: the helper progresses what wakes it
+        self.worker.helper_start(self.idle_helper)
+
     def _on_readable(self) -> None:
         self.wakeups += 1
+        self._run()
+
+    def _on_notify(self) -> None:
+        try:
+            os.read(self.worker.notify_fd, 8)
+        except BlockingIOError:
+            pass
         self._run()
 
     def _watch(self) -> None:
@@ -246,17 +280,29 @@ class _Progress:
         if self.closed:
             return
         w = self.worker
+        if self.helper:
+            events = w.events()  # draining re-arms the helper's notice: asked after it, no stop is missed
+            if w.helper_busy():
+                self.dispatch(events)
+                self._wake_waiters()
+                return
+            self.helper = False  # it stopped: nothing is in flight; progress and sleep as usual
+            self.loop.add_reader(self._fd, self._on_readable)
+            self.dispatch(events)
         more = w.progress(spin_us=SPIN_US)
         self.dispatch(w.events())
+        self._wake_waiters()
+        if more or w.arm() == ll.UCS_ERR_BUSY:
+            self.kick()
+        elif (self.ops or self._waiters) and self._watchdog is None:
+            self._watchdog = self.loop.call_later(WATCHDOG_S, self._watch)
+
+    def _wake_waiters(self) -> None:
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
-        if more or w.arm() == ll.UCS_ERR_BUSY:
-            self.kick()
-        elif (self.ops or self._waiters) and self._watchdog is None:
-            self._watchdog = self.loop.call_later(WATCHDOG_S, self._watch)
 
     def finish(self, op: ll.Op, fut: asyncio.Future[None], what: str) -> None:
         """Stop issuing into ``op``; resolve ``fut`` now if it already completed, else on its event."""
@@ -312,10 +358,11 @@ class _Progress:
         self._waiters.clear()
         if self._watchdog is not None:
             self._watchdog.cancel()
-        try:
-            self.loop.remove_reader(self._fd)
-        except Exception:  # loop already closed
-            pass
+        for fd in (self._fd, self.worker.notify_fd):
+            try:
+                self.loop.remove_reader(fd)
+            except Exception:  # loop already closed
+                pass
 
 
 @dataclass
@@ -397,7 +444,7 @@ class UcxEndpoint(Endpoint):
                 rkeys.append(self._ep.rkey_unpack(r.desc))
         except BaseException:
             for k in rkeys:
-                ll.Endpoint.rkey_destroy(k)
+                self._t._worker.rkey_destroy(k)
             raise
         rb = ll.bounds([r.addr for r in remote.regions], [r.nbytes for r in remote.regions])
         keys = _RemoteKeys(self._gen, rkeys, self._t._worker.rkey_table(rkeys), rb)
@@ -422,7 +469,7 @@ class UcxEndpoint(Endpoint):
             return
         garbage, self._garbage = self._garbage, []
         for k in garbage:
-            ll.Endpoint.rkey_destroy(k)
+            self._t._worker.rkey_destroy(k)
         self._maybe_forget()
 
     def _maybe_forget(self) -> None:
@@ -609,6 +656,10 @@ class UcxEndpoint(Endpoint):
         op = worker.new_op()
         what = "ucp_put_nbx" if put else "ucp_get_nbx"
         progress = self._progress
+        # Over shared memory the progress calls copy the bytes: past HELPER_BYTES they run on the
+        # worker's helper thread, not on the loop.
+        threaded = self._local_rma() and int(lengths.sum()) >= HELPER_BYTES
+        wake = progress.hand_over if threaded else progress.kick
         fut = progress.track(op, what)
         self._inflight.add(fut)
         cancelled: asyncio.CancelledError | None = None
@@ -621,7 +672,7 @@ class UcxEndpoint(Endpoint):
                                 ridx[i:], keys.table, room)
                     if op.status() != ll.UCS_OK or i >= n:
                         break
-                progress.kick()
+                wake()
                 try:  # let completions in (and other tasks run) before issuing more
                     if worker.inflight() >= window:
                         await progress.next_run()
@@ -632,6 +683,7 @@ class UcxEndpoint(Endpoint):
                     break
                 if self._ep is not ep or self._dead is not None or self._closing is not None:
                     break
+            wake()
             progress.finish(op, fut, what)
             if cancelled is not None:
                 await self._settle(fut, ep)
@@ -762,7 +814,7 @@ class UcxEndpoint(Endpoint):
         self._keys.clear()
         garbage, self._garbage = self._garbage, []
         for k in garbage:
-            ll.Endpoint.rkey_destroy(k)
+            self._t._worker.rkey_destroy(k)
 
     def _release_keys(self) -> None:
         for keys in self._keys:
@@ -838,7 +890,7 @@ class UcxTransport(Transport):
         loop = asyncio.get_running_loop()
         if self._progress is None:
             self._loop = loop
-            self._progress = _Progress(self._worker, loop)
+            self._progress = _Progress(self._worker, loop, self.ctx.worker_priority == "idle")
             self._target_progress = _Progress(self._target, loop)
         elif self._loop is not loop:
             raise LLMParamInvalid("a ucx transport is bound to the event loop it was started on")
