@@ -1025,138 +1025,52 @@ int kvf_helper_start(kvf_worker *w, int idle)
 /* Whether the helper thread is progressing the worker (the loop then only drains events). */
 int kvf_helper_busy(kvf_worker *w) { return __atomic_load_n(&w->helper_on, __ATOMIC_ACQUIRE); }
 
-/* The entry points above, each under the context's lock. */
-int kvf_worker_address(kvf_worker *w, void **addr, size_t *len)
-{
-    int r;
-    kvf_enter(w);
-    r = kvf_worker_address_u(w, addr, len);
-    kvf_leave(w);
-    return r;
-}
+/* The entry points above, each under the context's lock: KVF_LOCKED(type, name, (params), (args),
+ * worker) defines name() as name_u() between kvf_enter(worker) and kvf_leave(worker). */
+#define KVF_LOCKED(type, name, params, args, wk) \
+    type name params                             \
+    {                                            \
+        type r;                                  \
+        kvf_enter(wk);                           \
+        r = name##_u args;                       \
+        kvf_leave(wk);                           \
+        return r;                                \
+    }
 
-char *kvf_worker_info(kvf_worker *w)
-{
-    char *r;
-    kvf_enter(w);
-    r = kvf_worker_info_u(w);
-    kvf_leave(w);
-    return r;
-}
+KVF_LOCKED(int, kvf_worker_address, (kvf_worker *w, void **addr, size_t *len), (w, addr, len), w)
+KVF_LOCKED(char *, kvf_worker_info, (kvf_worker *w), (w), w)
+KVF_LOCKED(char *, kvf_context_info, (kvf_worker *w), (w), w)
+KVF_LOCKED(int, kvf_mem_map, (kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out),
+           (w, addr, len, mem_type, out), w)
+KVF_LOCKED(int, kvf_mem_unmap, (kvf_worker *w, ucp_mem_h memh), (w, memh), w)
+KVF_LOCKED(int, kvf_rkey_pack, (kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len),
+           (w, memh, buf, len), w)
+KVF_LOCKED(int, kvf_ep_create, (kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out),
+           (w, addr, id, out), w)
+KVF_LOCKED(int, kvf_ep_rkey_unpack, (kvf_ep *e, const void *buf, ucp_rkey_h *out), (e, buf, out), e->w)
+KVF_LOCKED(char *, kvf_ep_info, (kvf_ep *e), (e), e->w)
+KVF_LOCKED(size_t, kvf_rma,
+           (kvf_op *op, kvf_ep *e, int is_put, size_t n, const uint64_t *laddr, const uint64_t *raddr,
+            const uint64_t *len, const int64_t *lidx, ucp_mem_h *memh_tab, const int64_t *ridx,
+            ucp_rkey_h *rkey_tab, uint64_t max_bytes),
+           (op, e, is_put, n, laddr, raddr, len, lidx, memh_tab, ridx, rkey_tab, max_bytes), e->w)
+KVF_LOCKED(int, kvf_op_flush, (kvf_op *op, kvf_ep *e), (op, e), e->w)
+KVF_LOCKED(int64_t, kvf_rma_now,
+           (kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table, const uint64_t *lbounds,
+            int64_t nl, ucp_mem_h *memh_tab, const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
+            uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left),
+           (e, id, is_put, n, table, lbounds, nl, memh_tab, rbounds, nr, rkey_tab, max_bytes, max_ns, status,
+            nev, left), e->w)
+KVF_LOCKED(int, kvf_ep_close, (kvf_ep *e, int force, kvf_op *op), (e, force, op), e->w)
 
-char *kvf_context_info(kvf_worker *w)
-{
-    char *r;
-    kvf_enter(w);
-    r = kvf_context_info_u(w);
-    kvf_leave(w);
-    return r;
-}
-
-int kvf_mem_map(kvf_worker *w, uint64_t addr, size_t len, int mem_type, ucp_mem_h *out)
-{
-    int r;
-    kvf_enter(w);
-    r = kvf_mem_map_u(w, addr, len, mem_type, out);
-    kvf_leave(w);
-    return r;
-}
-
-int kvf_mem_unmap(kvf_worker *w, ucp_mem_h memh)
-{
-    int r;
-    kvf_enter(w);
-    r = kvf_mem_unmap_u(w, memh);
-    kvf_leave(w);
-    return r;
-}
-
-int kvf_rkey_pack(kvf_worker *w, ucp_mem_h memh, void **buf, size_t *len)
-{
-    int r;
-    kvf_enter(w);
-    r = kvf_rkey_pack_u(w, memh, buf, len);
-    kvf_leave(w);
-    return r;
-}
-
-int kvf_ep_create(kvf_worker *w, const void *addr, uint64_t id, kvf_ep **out)
-{
-    int r;
-    kvf_enter(w);
-    r = kvf_ep_create_u(w, addr, id, out);
-    kvf_leave(w);
-    return r;
-}
-
-int kvf_ep_rkey_unpack(kvf_ep *e, const void *buf, ucp_rkey_h *out)
-{
-    int r;
-    kvf_enter(e->w);
-    r = kvf_ep_rkey_unpack_u(e, buf, out);
-    kvf_leave(e->w);
-    return r;
-}
-
-char *kvf_ep_info(kvf_ep *e)
-{
-    char *r;
-    kvf_enter(e->w);
-    r = kvf_ep_info_u(e);
-    kvf_leave(e->w);
-    return r;
-}
-
-size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
-               const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,
-               const int64_t *lidx, ucp_mem_h *memh_tab,
-               const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes)
-{
-    size_t r;
-    kvf_enter(e->w);
-    r = kvf_rma_u(op, e, is_put, n, laddr, raddr, len, lidx, memh_tab, ridx, rkey_tab, max_bytes);
-    kvf_leave(e->w);
-    return r;
-}
-
-int kvf_op_flush(kvf_op *op, kvf_ep *e)
-{
-    int r;
-    kvf_enter(e->w);
-    r = kvf_op_flush_u(op, e);
-    kvf_leave(e->w);
-    return r;
-}
-
+/* The op may be freed inside: its worker is read first. */
 int kvf_op_finish(kvf_op *op, int *status)
 {
     int r;
-    kvf_worker *w = op->w;  /* the op may be freed */
+    kvf_worker *w = op->w;
     kvf_enter(w);
     r = kvf_op_finish_u(op, status);
     kvf_leave(w);
-    return r;
-}
-
-int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
-                    const uint64_t *lbounds, int64_t nl, ucp_mem_h *memh_tab,
-                    const uint64_t *rbounds, int64_t nr, ucp_rkey_h *rkey_tab,
-                    uint64_t max_bytes, uint64_t max_ns, int *status, int *nev, kvf_op **left)
-{
-    int64_t r;
-    kvf_enter(e->w);
-    r = kvf_rma_now_u(e, id, is_put, n, table, lbounds, nl, memh_tab, rbounds, nr, rkey_tab, max_bytes,
-                      max_ns, status, nev, left);
-    kvf_leave(e->w);
-    return r;
-}
-
-int kvf_ep_close(kvf_ep *e, int force, kvf_op *op)
-{
-    int r;
-    kvf_enter(e->w);
-    r = kvf_ep_close_u(e, force, op);
-    kvf_leave(e->w);
     return r;
 }
 """
