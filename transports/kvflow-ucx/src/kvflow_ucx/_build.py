@@ -155,11 +155,12 @@ typedef struct {
     int32_t status;
 } kvf_event;
 
-/* One lock per UCP context, shared by its workers: every call into UCX, and every read or write
- * of a worker's events, in-flight count or operations, holds it, so that the loop thread and a
- * worker's helper thread (kvf_helper_start) never use the context at the same time. Recursive:
- * kvf_rma_now calls kvf_rma. ``want`` counts loop-thread callers waiting for it; the helper steps
- * aside for them between two progress calls. */
+/* One lock per UCP context, shared by its workers: every call into UCX and every change to an
+ * operation's count holds it, so that the loop thread and a worker's helper thread
+ * (kvf_helper_start) never use the context at the same time. Recursive: kvf_rma_now calls
+ * kvf_rma. The event queue has its own (evmu); the in-flight count, an op's status and helper_on
+ * are written under this lock and read atomically without it. ``want`` counts loop-thread callers
+ * waiting for it; the helper steps aside for them between two progress calls. */
 typedef struct kvf_lock {
     pthread_mutex_t mu;
     int want;
@@ -1002,6 +1003,11 @@ int kvf_helper_start(kvf_worker *w, int idle)
 {
     int st = UCS_OK;
     sigset_t all, old;
+    if (__atomic_load_n(&w->helper_on, __ATOMIC_ACQUIRE)) {
+        /* on already, and it turns off only under the lock once nothing is in flight: bytes the
+           caller issued before this call keep it on (no wait here for a progress call) */
+        return UCS_OK;
+    }
     kvf_enter(w);
     if (!w->helper_started) {
         sigfillset(&all);  /* signals stay with the process's other threads */
