@@ -100,16 +100,21 @@ class IovCursor:
         """Runs not wholly consumed."""
         return self.n - self.i
 
-    def _window(self) -> int:
-        """The end (exclusive) of the runs the next syscall takes, from ``i``."""
-        j = bisect_left(self._ends, self.pos + self.chunk_bytes, self.i) + 1
-        return min(j, self.i + IOV_MAX, self.n)
+    def _window(self) -> tuple[int, int]:
+        """The end (exclusive) of the runs the next syscall takes, from ``i``, and how many bytes
+        the last of them reaches past ``chunk_bytes`` (its iovec is cut short for the call)."""
+        j = min(bisect_left(self._ends, self.pos + self.chunk_bytes, self.i) + 1, self.i + IOV_MAX, self.n)
+        return j, self._ends[j - 1] - self.pos - self.chunk_bytes
 
     def recv(self, sock: socket.socket) -> int:
         """``readv`` into the next runs; 0 means the peer closed; BlockingIOError when nothing waits."""
         assert _FUNCS is not None
-        i = self.i
-        n = _FUNCS[0](sock.fileno(), self._base + 16 * i, self._window() - i)
+        j, over = self._window()
+        slot, full = 2 * j - 1, self._slots[2 * j - 1]
+        if over > 0:  # the ctypes call cannot raise, so the iovec is always restored below
+            self._slots[slot] = full - over
+        n = _FUNCS[0](sock.fileno(), self._base + 16 * self.i, j - self.i)
+        self._slots[slot] = full
         if n < 0:
             _raise("readv")
         return n
@@ -118,14 +123,18 @@ class IovCursor:
         """``sendmsg`` (MSG_NOSIGNAL) from the next runs: (bytes sent, bytes offered);
         BlockingIOError when the socket is full."""
         assert _FUNCS is not None
-        i, j = self.i, self._window()
+        j, over = self._window()
+        slot, full = 2 * j - 1, self._slots[2 * j - 1]
+        if over > 0:
+            self._slots[slot] = full - over
         hdr = self._hdr
-        hdr.msg_iov = self._base + 16 * i
-        hdr.msg_iovlen = j - i
+        hdr.msg_iov = self._base + 16 * self.i
+        hdr.msg_iovlen = j - self.i
         n = _FUNCS[1](sock.fileno(), ctypes.byref(hdr), _MSG_NOSIGNAL)
+        self._slots[slot] = full
         if n < 0:
             _raise("sendmsg")
-        return n, self._ends[j - 1] - self.pos
+        return n, self._ends[j - 1] - self.pos - max(over, 0)
 
     def advance(self, n: int) -> None:
         pos = self.pos = self.pos + n

@@ -20,7 +20,7 @@ import struct
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from itertools import accumulate
 from typing import Any, Callable, Mapping, Union
@@ -44,7 +44,10 @@ MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame, at most
 FRAME_RUNS = 2048  # what our own frames carry at most: small enough to pipeline, big enough to amortise
 FRAME_BYTES = 64 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-CHUNK_BYTES = 1 << 20  # payload bytes offered to one sendmsg / recvmsg_into
+#: Payload bytes one sendmsg / recvmsg_into moves at most. On loopback a send runs the receiver's
+#: TCP path too, in softirq context that nothing preempts: a 1 MiB syscall kept a core from a waking
+#: event loop for up to ~0.3 ms, 64 KiB for ~20 µs, at the same throughput (docs/benchmarks.md).
+CHUNK_BYTES = 64 << 10
 RECV_BUDGET = 4 << 20  # bytes per readable callback before yielding to the loop
 SEND_BUDGET = 4 << 20
 SMALL_FRAME_BUFS = 16  # frames of at most this many buffers are offered to sendmsg whole at first
@@ -157,13 +160,20 @@ class _Cursor:
         return len(self.bufs) - self.i
 
     def chunk(self) -> tuple[list[Any], int]:
-        """The buffers for the next syscall, and their total size: about ``CHUNK_BYTES`` (a socket
-        holds little more, and each buffer passed costs its acquisition whether filled or not)."""
-        i, bufs, ends = self.i, self.bufs, self.ends
-        off = self.pos - (ends[i - 1] if i else 0)
-        j = min(bisect_left(ends, self.pos + CHUNK_BYTES, i) + 1, i + IOV_MAX, len(bufs))
+        """The buffers for the next syscall, and their total size: at most ``CHUNK_BYTES``, the
+        last buffer cut short if it reaches further."""
+        i, bufs, ends, pos = self.i, self.bufs, self.ends, self.pos
+        off = pos - (ends[i - 1] if i else 0)
+        j = min(bisect_left(ends, pos + CHUNK_BYTES, i) + 1, i + IOV_MAX, len(bufs))
         head = bufs[i] if off == 0 else memoryview(bufs[i])[off:]
-        return [head, *bufs[i + 1 : j]], self.ends[j - 1] - self.pos
+        parts = [head, *bufs[i + 1 : j]]
+        size = ends[j - 1] - pos
+        over = size - CHUNK_BYTES
+        if over > 0:
+            last = parts[-1]
+            parts[-1] = memoryview(last)[: len(last) - over]
+            size = CHUNK_BYTES
+        return parts, size
 
     def advance(self, n: int) -> None:
         self.pos += n
@@ -250,7 +260,7 @@ class TcpChannel(CacheUser):
 
     def __init__(self, sock: socket.socket, registry: Registry,
                  on_broken: Callable[[BaseException], None], busy_poll: float = 0.0,
-                 workers: Callable[[], ThreadPoolExecutor] | None = None,
+                 workers: Callable[[], pump.Pool] | None = None,
                  thread_bytes: int = DEFAULT_THREAD_BYTES) -> None:
         self._loop = asyncio.get_running_loop()
         self._workers = workers  # large payloads go to these threads (kvflow._pump); None: all on the loop
@@ -481,7 +491,7 @@ class TcpChannel(CacheUser):
             self._loop.remove_writer(self._fd)
             self._writer_on = False
         job = self._tx_job = pump.Job(cur, cur.left)
-        fut = self._workers().submit(pump.send, self._sock, job)
+        fut = self._workers().send(self._sock, job)
         fut.add_done_callback(partial(self._back, self._tx_back, job))
 
     def _back(self, resume: Callable[[pump.Job, Future[None]], None], job: pump.Job, fut: Future[None]) -> None:
@@ -600,12 +610,12 @@ class TcpChannel(CacheUser):
         assert self._workers is not None
         self._loop.remove_reader(self._fd)
         job = self._rx_job = pump.Job(self._rx, self._left)
-        fut = self._workers().submit(pump.receive, self._sock, job)
+        fut = self._workers().receive(self._sock, job)
         fut.add_done_callback(partial(self._back, self._rx_back, job))
 
     def _stop_rx(self) -> None:
         """Take the payload back from its worker thread now: once this returns, the thread writes
-        no further byte (a syscall in progress, at most 1 MiB, is waited out)."""
+        no further byte (a syscall in progress, at most ``CHUNK_BYTES``, is waited out)."""
         job = self._rx_job
         if job is None:
             return
@@ -927,11 +937,11 @@ class TcpTransport(Transport):
         #: 0 moves every payload on the loop thread
         self.thread_bytes = ctx.int_option("kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0)
         self.threads = ctx.int_option("kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: pump.Pool | None = None
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> pump.Pool:
         if self._pool is None:
-            self._pool = self.ctx.worker_pool("kvflow-tcp", self.threads)
+            self._pool = pump.Pool(self.ctx.worker_pool("kvflow-tcp", self.threads))
         return self._pool
 
     async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:
@@ -942,6 +952,6 @@ class TcpTransport(Transport):
 
     async def close(self) -> None:
         if self._pool is not None:  # every channel has stopped its jobs by now (teardown)
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown()
             self._pool = None
 
