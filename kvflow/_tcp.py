@@ -44,9 +44,10 @@ MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame, at most
 FRAME_RUNS = 2048  # what our own frames carry at most: small enough to pipeline, big enough to amortise
 FRAME_BYTES = 64 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-#: Payload bytes one sendmsg / recvmsg_into moves at most. On loopback a send runs the receiver's
-#: TCP path too, in softirq context that nothing preempts: a 1 MiB syscall kept a core from a waking
-#: event loop for up to ~0.3 ms, 64 KiB for ~20 µs, at the same throughput (docs/benchmarks.md).
+#: Payload bytes one sendmsg / recvmsg_into moves at most. A long syscall keeps its core from a
+#: waking event loop until it returns (on loopback a send also runs the receiver's TCP path): two
+#: ticking processes copying between them saw p99 lateness 0.58-0.83 ms with 1 MiB syscalls and
+#: 0.31-0.43 ms with 64 KiB, at the same throughput (scripts/lateness_pair.py, docs/benchmarks.md).
 CHUNK_BYTES = 64 << 10
 RECV_BUDGET = 4 << 20  # bytes per readable callback before yielding to the loop
 SEND_BUDGET = 4 << 20
@@ -430,10 +431,13 @@ class TcpChannel(CacheUser):
         while q and budget > 0:
             out = q[0]
             cur = out.cursor
-            small = cur is None and out.runs is None and len(out.bufs) <= SMALL_FRAME_BUFS
-            if cur is None and not small:
-                cur = out.cursor = _Cursor(out.bufs)
-            left = cur.left if cur is not None else sum(map(len, out.bufs))  # byte-formatted memoryviews
+            if cur is None:  # a small frame (few buffers, at most a chunk) is offered whole, without a cursor
+                left = sum(map(len, out.bufs))  # byte-formatted memoryviews
+                if out.runs is not None or len(out.bufs) > SMALL_FRAME_BUFS or left > CHUNK_BYTES:
+                    cur = out.cursor = _Cursor(out.bufs)
+            else:
+                left = cur.left
+            small = cur is None
             if out.runs is None and self._workers is not None and (
                     left >= self._thread_bytes or (cur is not None and cur.runs_left > THREAD_RUNS)):
                 self._start_tx(out, cur or _Cursor(out.bufs))  # a large payload: on a worker thread

@@ -56,7 +56,7 @@ FAST_MAX_RUNS = 256
 #: (``PREEMPT_NONE``, common on servers) runs a syscall to its end before a waking event loop thread
 #: may have the core: 8 MiB syscalls (about 1 ms) made 1 ms ticks 3-5 ms late; 256 KiB ones took
 #: the p99 of 4 MiB pulls from 0.27-0.33 ms (1 MiB) to 0.16-0.20, at the same copy throughput
-#: (docs/benchmarks.md, issue 13).
+#: (docs/decisions.md, "Copy threads yield to event loops", issue 13).
 MAX_CHUNK = 256 << 10
 
 _ffi: Any = None
