@@ -379,6 +379,7 @@ class TcpChannel(CacheUser):
             if self._closed is None:
                 self._admit()
         op.state = _OP_DONE
+        op.out = None  # op and its frame refer to each other: left alone they wait for the cyclic GC
 
     def abandon(self, ops: list[_Op]) -> None:
         """The caller gave up: unsent frames are dropped, late payload is discarded (none lands in
