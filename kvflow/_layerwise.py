@@ -20,6 +20,7 @@ import numpy as np
 
 from ._checks import MAX_TIMEOUT_MS, blocks_precheck, cache_precheck, check_index, check_int
 from ._plan import (
+    CALL_CHECK_BLOCKS,
     Plan,
     Steps,
     block_list,
@@ -467,7 +468,7 @@ def start_transfer(engine: TransferEngine, local: LocalCache, synchronizer: Any,
     blocks = src_block_indices is not None or dst_block_indices is not None
     if blocks and (src_block_indices is None or dst_block_indices is None):
         raise LLMParamInvalid("give both src_block_indices and dst_block_indices, or neither (whole slots)")
-    long = blocks and (is_long(src_block_indices) or is_long(dst_block_indices))
+    long = blocks and (is_long(src_block_indices, CALL_CHECK_BLOCKS) or is_long(dst_block_indices, CALL_CHECK_BLOCKS))
     if blocks and not long:
         db = block_list(dst_block_indices, 1 << 62, "dst_block_indices")
         if has_duplicates(db, 1 << 62):

@@ -120,8 +120,13 @@ def block_list(blocks: Any, num_blocks: int, what: str) -> np.ndarray:
 #: Entries of a Python block list converted, or blocks handled, per step (about 0.1-0.2 ms; the whole of
 #: a 100k-entry list took 2-4 ms).
 STEP = 4096
-#: Block lists longer than this are planned in steps that the event loop interleaves with its other work.
-DEFER_BLOCKS = 2048
+#: Block lists of pulls and pushes longer than this are checked and planned in steps that the event loop
+#: interleaves with its other work (at 2048, a 2048-block shm pull's longest callback measured 0.46-0.62
+#: ms of CPU against 0.27-0.37 ms at 1024: docs/benchmarks.md).
+DEFER_BLOCKS = 1024
+#: ``transfer_cache_async`` checks block lists of up to this many entries in the call itself; longer
+#: ones are checked by its task, in steps (docs/layerwise.md).
+CALL_CHECK_BLOCKS = 2048
 #: A plan of more runs than this is kept compact and moved in batches of at most this many runs.
 PIECE_RUNS = 16384
 
@@ -147,7 +152,9 @@ SLICE_S = 250e-6
 
 async def run_steps_async(steps: Steps) -> Any:
     """Drive planning steps on the running event loop: other callbacks run between slices of about
-    ``SLICE_S``, and work that releases the GIL runs on the loop's default executor; their result."""
+    ``SLICE_S``, and work that releases the GIL runs on the loop's default executor; their result,
+    returned in a callback of its own, so that what the caller does next does not lengthen the last
+    slice."""
     loop = asyncio.get_running_loop()
     t = time.perf_counter()
     try:
@@ -162,6 +169,7 @@ async def run_steps_async(steps: Steps) -> Any:
                 t = time.perf_counter()
             item = steps.send(result)
     except StopIteration as stop:
+        await asyncio.sleep(0)
         return stop.value
 
 
@@ -542,10 +550,10 @@ def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs
     return run_steps(steps)
 
 
-def is_long(blocks: Any) -> bool:
-    """Whether a block list is long enough to plan in steps."""
+def is_long(blocks: Any, limit: int = DEFER_BLOCKS) -> bool:
+    """Whether a block list is longer than ``limit``: long enough to check and plan in steps."""
     try:
-        return len(blocks) > DEFER_BLOCKS
+        return len(blocks) > limit
     except TypeError:
         return False
 
