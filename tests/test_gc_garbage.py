@@ -2,9 +2,9 @@
 
 Objects freed only by the cyclic garbage collector make its passes run often, and a pass runs inside
 whichever callback allocates when the threshold is crossed: a gen-0 pass cost 0.3 ms here and a full
-one 20-60 ms in a pytest process (docs/decisions.md, "The loop: hand-over and garbage"). Both sides of the link live in this
-process so that ``gc.DEBUG_SAVEALL`` sees the serving side's objects too; the bytes still cross real
-loopback sockets, shared memory or UCX.
+one 20-60 ms in a pytest process (docs/decisions.md, "The loop: hand-over and garbage"). Both sides
+of the link live in this process so that ``gc.DEBUG_SAVEALL`` sees the serving side's objects too;
+the bytes still cross real loopback sockets, shared memory or UCX.
 """
 
 from __future__ import annotations
