@@ -10,6 +10,12 @@ from ._status import LLMParamInvalid
 from ._workers import DEFAULT_PRIORITY, PRIORITIES
 
 DEFAULT_TRANSPORTS = ("shm", "ucx", "tcp")
+#: Heartbeat defaults (ms): the interval is a third of the timeout, at most ``MAX_DEFAULT_INTERVAL_MS``.
+#: An idle link sends a ping each way per interval: 1024 idle links cost a listener 2.2 % of a core at
+#: 500 ms and 1.6 % at 666 ms; a peer's loop may stall about timeout - 1.25 x interval (1.17 s) before
+#: its links break (docs/decisions.md).
+HEARTBEAT_TIMEOUT_MS, MAX_DEFAULT_INTERVAL_MS = 2000, 1000
+HEARTBEAT_INTERVAL_MS = HEARTBEAT_TIMEOUT_MS // 3
 MIN_KEY_BYTES = 16  # shorter shared secrets are refused: one sniffed handshake must not let them be guessed
 
 
@@ -21,8 +27,8 @@ class Options:
     sync_wait_ms: int = 5000
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     transports_pinned: bool = False
-    heartbeat_interval_ms: int = 500
-    heartbeat_timeout_ms: int = 2000
+    heartbeat_interval_ms: int = HEARTBEAT_INTERVAL_MS
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
     auth_key: bytes | None = None
     max_links: int = 1024
     worker_priority: str = DEFAULT_PRIORITY
@@ -106,6 +112,8 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
             opts.transport_options[key] = str(value)  # kvflow.<transport>.<key>: the transport's own
         else:
             raise LLMParamInvalid(f"unknown option {key!r}")
+    if "kvflow.HeartbeatInterval" not in options:  # three pings per timeout
+        opts.heartbeat_interval_ms = max(10, min(MAX_DEFAULT_INTERVAL_MS, opts.heartbeat_timeout_ms // 3))
     if opts.heartbeat_timeout_ms <= opts.heartbeat_interval_ms:
         raise LLMParamInvalid("option kvflow.HeartbeatTimeout must exceed kvflow.HeartbeatInterval")
     return opts

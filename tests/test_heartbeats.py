@@ -16,7 +16,8 @@ import pytest_asyncio
 
 import kvflow._heartbeat as hb
 import kvflow._link as link_mod
-from kvflow import ClusterInfo, IpInfo, LlmDataDist, LLMKvCacheNotExist, LlmRole, LLMStatusCode
+from kvflow import ClusterInfo, IpInfo, LlmDataDist, LLMKvCacheNotExist, LLMParamInvalid, LlmRole, LLMStatusCode
+from kvflow._options import parse_options
 from kvflow.testing import inspect
 
 from ._relpeer import RawClient
@@ -161,3 +162,19 @@ async def test_a_peers_heartbeat_settings_outside_the_bounds_are_ignored(said: A
     assert heartbeat_settings({"hb": said}) is None
     assert heartbeat_settings({"hb": [MIN_HEARTBEAT_MS, MAX_HEARTBEAT_MS]}) == (MIN_HEARTBEAT_MS / 1000,
                                                                                 MAX_HEARTBEAT_MS / 1000)
+
+
+@pytest.mark.parametrize(("given", "interval", "timeout"), [
+    ({}, 666, 2000),  # the defaults: 1024 idle links cost a listener about 1.6 % of a core
+    ({"kvflow.HeartbeatTimeout": "600"}, 200, 600),  # a timeout alone: a third of it
+    ({"kvflow.HeartbeatTimeout": "10000"}, 1000, 10000),  # ... at most 1 s
+    ({"kvflow.HeartbeatInterval": "250"}, 250, 2000),
+])
+async def test_heartbeat_defaults_and_a_timeout_given_alone(given: dict[str, str], interval: int,
+                                                            timeout: int) -> None:
+    assert parse_options(given).heartbeat_ms == (interval, timeout)
+
+
+async def test_an_interval_given_alone_must_stay_under_the_default_timeout() -> None:
+    with pytest.raises(LLMParamInvalid, match="HeartbeatTimeout must exceed"):
+        parse_options({"kvflow.HeartbeatInterval": "2000"})

@@ -328,6 +328,45 @@ async def test_connection_cut_mid_transfer_fails_fast_then_relinks(cleanup: list
 
 
 @pytest.mark.asyncio
+async def test_default_heartbeat_rides_out_a_short_stall_and_breaks_a_silent_peer_within_2_s_of_silence(
+        cleanup: list[Any]) -> None:
+    """The defaults (a ping every 666 ms, 2 s of silence) as docs/reliability.md states them: a
+    peer stopped for 0.6 s keeps its link; one stopped for good is declared dead 2 s after it was
+    last heard, which is 1.17-2 s after it stopped, plus scheduling."""
+    d = desc(4, 64 << 10)
+    peer = Peer(PEER, caches=[spec(d, 5)], options=TCP)
+    cleanup.append(peer)
+    dd = await make_dd()
+    cleanup.append(dd)
+    assert await link(dd, PEER, peer.address) == LLMStatusCode.LLM_SUCCESS
+    dst = Guarded(d, None)
+    cache = await dd.register_kv_cache(d, dst.tensors)
+    src = CacheIndex(PEER, peer.caches[0])
+    await dd.pull_kv_blocks(src, cache, [0], [0])
+    os.kill(peer.pid, signal.SIGSTOP)
+    cleanup.append(peer.pid)
+    try:
+        await asyncio.sleep(0.6)
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+    await asyncio.sleep(0.5)
+    assert dd.link_info(PEER).state == "linked"
+    await dd.pull_kv_blocks(src, cache, [1], [1])
+    os.kill(peer.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LLMTimeoutError, match="heartbeat"):
+            await dd.pull_kv_blocks(src, cache, [2], [2], timeout_in_millis=20000)
+        took = time.monotonic() - t0
+        assert 1.1 <= took < 3.5, took
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+    for t in range(2):
+        assert (block_view(dst, t, [0, 1]) == expected(5, d, t, [0, 1])).all()
+    assert dst.guards_ok()
+
+
+@pytest.mark.asyncio
 async def test_everything_stalled_heartbeat_breaks_link_both_sides_then_relinks(cleanup: list[Any]) -> None:
     d = desc(8, 64 << 10)
     hb = {"kvflow.HeartbeatInterval": "100", "kvflow.HeartbeatTimeout": "600"}
