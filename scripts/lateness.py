@@ -64,9 +64,13 @@ async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, 
 def _where(handle: asyncio.Handle) -> str:
     task = getattr(getattr(handle, "_callback", None), "__self__", None)
     if task is not None and hasattr(task, "get_coro"):
-        coro = task.get_coro()
-        frame = getattr(coro, "cr_frame", None)
-        return f"{coro.__qualname__} line {frame.f_lineno if frame else '-'}"
+        chain = []  # the task's await chain, innermost last (where the callback left off)
+        coro: Any = task.get_coro()
+        while coro is not None and hasattr(coro, "cr_frame"):
+            frame = coro.cr_frame
+            chain.append(f"{coro.__qualname__}:{frame.f_lineno if frame else '-'}")
+            coro = coro.cr_await
+        return " > ".join(chain[-3:])
     return repr(handle)[:120]
 
 
