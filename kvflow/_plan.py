@@ -169,8 +169,9 @@ async def run_steps_async(steps: Steps) -> Any:
                 t = time.perf_counter()
             item = steps.send(result)
     except StopIteration as stop:
-        await asyncio.sleep(0)
-        return stop.value
+        value = stop.value
+    await asyncio.sleep(0)
+    return value
 
 
 def block_list_steps(blocks: Any, num_blocks: int, what: str) -> Steps:

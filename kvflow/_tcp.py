@@ -393,6 +393,7 @@ class TcpChannel(CacheUser):
                 continue
             if op.state == _OP_BACKLOG:
                 op.state = _OP_DONE  # _admit skips it
+                op.out = None  # as in _retire: no cycle left for the collector
                 self._dropped(out)
                 self._backlog_dead += 1
             elif out.idx == -1 and self._pending.get(op.req_id) is op:
@@ -826,12 +827,14 @@ class TcpChannel(CacheUser):
             self._dropped(out)
         pending, self._pending = self._pending, {}
         for op in pending.values():
+            op.state, op.out = _OP_DONE, None
             op.xfer.fail(exc)
         backlog, self._backlog = self._backlog, deque()
         for op in backlog:
             if op.state != _OP_DONE and op.out is not None:
                 op.state = _OP_DONE
                 self._dropped(op.out)
+            op.out = None
             op.xfer.fail(exc)
         self._sock.close()
 

@@ -28,6 +28,7 @@ from kvflow import (
     LlmDataDist,
     LLMParamInvalid,
     LlmRole,
+    LLMTimeoutError,
     TransferConfig,
 )
 
@@ -58,16 +59,17 @@ def _garbage_of(ops: list[Callable[[], Awaitable[object]]]) -> Callable[[], Awai
             await op()
         await asyncio.sleep(0.05)  # responses and hand-backs still on their way
         gc.collect()
+        flags, before = gc.get_debug(), len(gc.garbage)
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
             for op in ops:
                 await op()
             await asyncio.sleep(0.05)
             gc.collect()
-            return collections.Counter(type(o).__qualname__ for o in gc.garbage)
+            return collections.Counter(type(o).__qualname__ for o in gc.garbage[before:])
         finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+            gc.set_debug(flags)
+            del gc.garbage[before:]
     return run
 
 
@@ -87,6 +89,11 @@ async def test_transfers_of_every_kind_leave_no_cyclic_garbage(pair: tuple[LlmDa
         with pytest.raises(LLMParamInvalid):
             await d.pull_kv_blocks(ci, dc, [0, 1], [2, 2])
 
+    async def cut_short() -> None:  # frames queued and in flight when the deadline passes
+        with pytest.raises(LLMTimeoutError):
+            await d.pull_kv_blocks(ci, dc, perm, ident, timeout_in_millis=1)
+        await asyncio.sleep(0.2)  # the peer's late answers are drained
+
     async def layerwise() -> None:
         ready = LayerEvents(4)
         for layer in range(4):
@@ -102,6 +109,8 @@ async def test_transfers_of_every_kind_leave_no_cyclic_garbage(pair: tuple[LlmDa
         lambda: d.pull_kv_cache(ci, dc),  # whole slot: 64 MiB
         layerwise,
         bad_call,
+        cut_short,
+        lambda: d.pull_kv_cache(ci, dc),  # the link still works, and the bytes below are this pull's
     ]
     garbage = await _garbage_of(ops)()
     assert not garbage, f"objects left to the cyclic collector: {garbage.most_common(10)}"

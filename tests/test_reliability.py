@@ -328,7 +328,7 @@ async def test_connection_cut_mid_transfer_fails_fast_then_relinks(cleanup: list
 
 
 @pytest.mark.asyncio
-async def test_default_heartbeat_rides_out_a_short_stall_and_breaks_a_silent_peer_within_2_s_of_silence(
+async def test_default_heartbeat_rides_out_a_short_stall_and_breaks_a_stopped_peer_1_to_3_5_s_after_the_stop(
         cleanup: list[Any]) -> None:
     """The defaults (a ping every 666 ms, 2 s of silence) as docs/reliability.md states them: a
     peer stopped for 0.6 s keeps its link; one stopped for good is declared dead 2 s after it was
@@ -358,7 +358,7 @@ async def test_default_heartbeat_rides_out_a_short_stall_and_breaks_a_silent_pee
         with pytest.raises(LLMTimeoutError, match="heartbeat"):
             await dd.pull_kv_blocks(src, cache, [2], [2], timeout_in_millis=20000)
         took = time.monotonic() - t0
-        assert 1.1 <= took < 3.5, took
+        assert 1.0 <= took < 3.5, took  # 2 s after it was last heard, at most 0.83 s before the stop
     finally:
         os.kill(peer.pid, signal.SIGCONT)
     for t in range(2):

@@ -687,7 +687,10 @@ class UcxEndpoint(Endpoint):
             progress.finish(op, fut, what)
             if cancelled is not None:
                 await self._settle(fut, ep)
-                raise cancelled
+                try:
+                    raise cancelled
+                finally:  # this frame, held by the traceback, must not hold the exception back
+                    cancelled = None
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:
