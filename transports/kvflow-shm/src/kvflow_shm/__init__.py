@@ -317,6 +317,22 @@ async def _settle(futs: list[asyncio.Future[Any]]) -> None:
             fut.exception()  # retrieved: the caller raises its own error
 
 
+def _check_and_start(pool: ThreadPoolExecutor, table: np.ndarray, args: tuple[Any, ...], total: int, threads: int,
+                     stop: ll.StopFlag) -> list[Future[int]]:
+    """On a copy thread: check every run of the batch (RunOutOfBounds before any byte moves), then
+    submit its copy, split by bytes over the threads; the parts' futures."""
+    pid, write, *_, lregions, rregions = args
+    ll.transfer_table(pid, write, table, lregions, rregions, 0, ll.scratch())  # checks both sides; moves nothing
+    cfs: list[Future[int]] = []
+    try:
+        for part in _split(args, total, threads):
+            cfs.append(pool.submit(ll.transfer, *part, stop=stop))
+    except RuntimeError:  # the pool is shutting down: the parts already submitted stop at once
+        stop.set()
+        raise
+    return cfs
+
+
 def _split(args: tuple[Any, ...], total: int, threads: int) -> list[tuple[Any, ...]]:
     """``transfer`` arguments cut at run boundaries into up to ``threads`` parts of similar size."""
     lens = args[4]
@@ -368,7 +384,7 @@ class ShmEndpoint(Endpoint):
         t = self._transport
         out = self._out if threading.get_ident() == self._loop_thread else ll.scratch()
         try:
-            table = batch.table  # every run is checked here; many runs are then copied on a thread
+            table = batch.table  # every run is checked here (batches of more runs: by _check_and_start)
             moved = ll.transfer_table(self.pid, write, table, t._local_regions(batch.local_cache),
                                       _remote_regions(batch.remote_cache),
                                       t.inline_bytes if table.shape[1] <= INLINE_RUNS else 0, out)
@@ -445,36 +461,49 @@ class ShmEndpoint(Endpoint):
         await self._run(True, batch)
 
     async def _run(self, write: bool, batch: RunBatch) -> None:
-        if self.read_now(batch, write):
+        if len(batch) <= INLINE_RUNS and self.read_now(batch, write):
             return
+        if self._closed is not None:
+            raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
         t = self._transport
         args = (self.pid, write, batch.local_addrs, batch.remote_addrs, batch.lengths, batch.local_tensor,
                 batch.remote_tensor, t._local_regions(batch.local_cache), _remote_regions(batch.remote_cache))
-        # Too large for the loop thread: copy in worker threads with the GIL released, a big
-        # batch split by bytes over the threads. One stop flag covers every part.
+        # Too large for the loop thread: a copy thread checks the whole batch, then submits its copy
+        # split by bytes over the threads; the loop only hands it over. One stop flag covers every part.
         stop = ll.StopFlag()
         pool = t._executor()
-        cfs: list[Future[int]] = [pool.submit(ll.transfer, *part, stop=stop)
-                                  for part in _split(args, batch.nbytes, t.threads)]
-        futs = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
+        head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
+        futs: list[asyncio.Future[Any]] = [asyncio.wrap_future(head, loop=self._loop)]
         op = _Op(stop, futs)
         self._inflight.add(op)
+        cfs: list[Future[int]] = []  # the parts, once the head has submitted them
         try:
-            await asyncio.wait(futs, return_when=asyncio.FIRST_EXCEPTION)
-            if not all(f.done() for f in futs):  # one part failed: stop the others first
+            await asyncio.wait(futs)  # not ``await futs[0]``: a cancel must not cancel the wrapper alone
+            cfs = futs[0].result()
+            parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
+            futs.extend(parts)
+            await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
+            if not all(f.done() for f in parts):  # one part failed: stop the others first
                 stop.set()
-                await _settle(futs)
-            errors = [e for f in futs if not f.cancelled() and (e := f.exception()) is not None]
+                await _settle(parts)
+            errors = [e for f in parts if not f.cancelled() and (e := f.exception()) is not None]
             if errors:
                 raise next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0])
         except asyncio.CancelledError:
             # No byte may land after we raise: stop each copy loop at its next syscall boundary
             # (or before it starts) and wait for the threads to let go of our memory.
             stop.set()
+            head.cancel()  # not yet started: never starts (then it submits no parts either)
+            await _settle(futs[:1])
+            if not cfs and not head.cancelled() and head.exception() is None:
+                cfs = head.result()
+                futs.extend(asyncio.wrap_future(cf, loop=self._loop) for cf in cfs)
             for cf in cfs:
                 cf.cancel()
-            await _settle(futs)
+            await _settle(futs[1:])
             raise
+        except ll.RunOutOfBounds as exc:
+            raise _out_of_bounds(batch, exc) from None
         except ll.CopyStopped:
             raise (self._closed or LLMLinkFailed("shm copy stopped")) from None
         except LLMLinkFailed as exc:
