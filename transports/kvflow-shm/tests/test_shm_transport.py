@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import threading
@@ -277,6 +278,43 @@ async def test_split_batch_with_a_failing_part() -> None:
             good = _batch(t, mem[: 16 * bs], regions[:1], runs[:16])
             await ep.read(good)
             assert mem[: 16 * bs].tobytes() == peer.contents()
+            await ep.close()
+            await t.close()
+    finally:
+        peer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_large_batch_with_one_run_outside_the_peers_region_moves_nothing_and_leaves_no_garbage() -> None:
+    """A batch of more than ``INLINE_RUNS`` runs is checked on a copy thread: one bad run (the last,
+    past the end of the peer's region) fails the whole batch with a typed error before any byte
+    moves, and the failure leaves nothing for the cyclic garbage collector."""
+    peer = Peer(nbytes=4 << 20)
+    try:
+        async with asyncio.timeout(30):
+            t, ch = _transport(), _Channel()
+            ep = ShmEndpoint(t, peer.pid, None, ch)
+            bs = 4 << 10
+            n = peer.nbytes // bs  # 1024 runs
+            mem = np.zeros(n * bs, dtype=np.uint8)
+            runs = [(i * bs, 0, i * bs) for i in range(n - 1)] + [((n - 1) * bs, 0, n * bs)]
+            bad = _batch(t, mem, [(peer.addr, peer.nbytes)], runs)
+            with pytest.raises(LLMParamInvalid, match=f"run {n - 1} .* is outside remote cache"):
+                await ep.read(bad)  # first run: starts the copy threads
+            gc.collect()
+            flags, before = gc.get_debug(), len(gc.garbage)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                with pytest.raises(LLMParamInvalid, match="is outside remote cache"):
+                    await ep.read(bad)
+                gc.collect()
+                left = [type(o).__qualname__ for o in gc.garbage[before:]]
+            finally:
+                gc.set_debug(flags)
+                del gc.garbage[before:]
+            assert left == []
+            assert not mem.any()  # nothing moved, not even the good runs
+            assert ch.reports == []  # a refused batch does not break the link
             await ep.close()
             await t.close()
     finally:

@@ -26,6 +26,7 @@ import struct
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_threads
 from typing import Any
 
 import numpy as np
@@ -296,13 +297,14 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
 
 
 class _Op:
-    """A copy running in worker threads: its parts and their shared stop flag."""
+    """A copy running in worker threads: the stop flag its parts share, and a future done once
+    none of them can write any more (``close`` waits for it)."""
 
-    __slots__ = ("futs", "stop")
+    __slots__ = ("finished", "stop")
 
-    def __init__(self, stop: ll.StopFlag, futs: list[asyncio.Future[int]]) -> None:
+    def __init__(self, stop: ll.StopFlag, finished: asyncio.Future[None]) -> None:
         self.stop = stop
-        self.futs = futs
+        self.finished = finished
 
 
 async def _settle(futs: list[asyncio.Future[Any]]) -> None:
@@ -327,8 +329,11 @@ def _check_and_start(pool: ThreadPoolExecutor, table: np.ndarray, args: tuple[An
     try:
         for part in _split(args, total, threads):
             cfs.append(pool.submit(ll.transfer, *part, stop=stop))
-    except RuntimeError:  # the pool is shutting down: the parts already submitted stop at once
+    except RuntimeError:  # the pool is shutting down: stop the parts already submitted, and wait
         stop.set()
+        for cf in cfs:
+            cf.cancel()
+        wait_threads(cfs)
         raise
     return cfs
 
@@ -468,49 +473,65 @@ class ShmEndpoint(Endpoint):
         t = self._transport
         args = (self.pid, write, batch.local_addrs, batch.remote_addrs, batch.lengths, batch.local_tensor,
                 batch.remote_tensor, t._local_regions(batch.local_cache), _remote_regions(batch.remote_cache))
-        # Too large for the loop thread: a copy thread checks the whole batch, then submits its copy
-        # split by bytes over the threads; the loop only hands it over. One stop flag covers every part.
         stop = ll.StopFlag()
-        pool = t._executor()
-        head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
-        futs: list[asyncio.Future[Any]] = [asyncio.wrap_future(head, loop=self._loop)]
-        op = _Op(stop, futs)
+        op = _Op(stop, self._loop.create_future())
         self._inflight.add(op)
-        cfs: list[Future[int]] = []  # the parts, once the head has submitted them
         try:
-            await asyncio.wait(futs)  # not ``await futs[0]``: a cancel must not cancel the wrapper alone
-            cfs = futs[0].result()
+            err = await self._copy(batch, args, stop)
+        finally:
+            self._inflight.discard(op)
+            op.finished.set_result(None)
+        if err is None:
+            return
+        try:  # raised here, from no frame that holds it: no reference cycle for the collector
+            if isinstance(err, ll.RunOutOfBounds):
+                raise _out_of_bounds(batch, err) from None
+            if isinstance(err, ll.CopyStopped):
+                raise (self._closed or LLMLinkFailed("shm copy stopped")) from None
+            if isinstance(err, LLMLinkFailed):
+                self._broken(err)
+            raise err
+        finally:
+            err = None
+
+    async def _copy(self, batch: RunBatch, args: tuple[Any, ...], stop: ll.StopFlag) -> BaseException | None:
+        """Copy ``batch`` on the copy threads, split by bytes; the error to raise (None: all copied).
+        Too large for the loop thread: a batch of more than ``INLINE_RUNS`` runs is also checked and
+        split by a copy thread (``_check_and_start``), so the loop only hands it over. Returns or
+        raises only once no part can write any more: on cancellation each copy loop stops at its
+        next syscall boundary (or before it starts) and is waited for."""
+        t = self._transport
+        pool = t._executor()
+        head: Future[list[Future[int]]] | None = None
+        cfs: list[Future[int]] = []
+        if len(batch) > INLINE_RUNS:
+            head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
+        else:  # read_now has checked it
+            cfs = [pool.submit(ll.transfer, *part, stop=stop) for part in _split(args, batch.nbytes, t.threads)]
+        try:
+            if head is not None:
+                await asyncio.wait([asyncio.wrap_future(head, loop=self._loop)])  # a cancel leaves head alone
+                if head.exception() is not None:
+                    return head.exception()
+                cfs = head.result()
             parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
-            futs.extend(parts)
             await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
             if not all(f.done() for f in parts):  # one part failed: stop the others first
                 stop.set()
                 await _settle(parts)
             errors = [e for f in parts if not f.cancelled() and (e := f.exception()) is not None]
-            if errors:
-                raise next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0])
+            return next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0]) if errors else None
         except asyncio.CancelledError:
-            # No byte may land after we raise: stop each copy loop at its next syscall boundary
-            # (or before it starts) and wait for the threads to let go of our memory.
             stop.set()
-            head.cancel()  # not yet started: never starts (then it submits no parts either)
-            await _settle(futs[:1])
-            if not cfs and not head.cancelled() and head.exception() is None:
-                cfs = head.result()
-                futs.extend(asyncio.wrap_future(cf, loop=self._loop) for cf in cfs)
+            if head is not None:
+                head.cancel()  # not yet started: never starts, and submits no parts
+                await _settle([asyncio.wrap_future(head, loop=self._loop)])
+                if not cfs and not head.cancelled() and head.exception() is None:
+                    cfs = head.result()
             for cf in cfs:
-                cf.cancel()
-            await _settle(futs[1:])
+                cf.cancel()  # not yet started: never starts
+            await _settle([asyncio.wrap_future(cf, loop=self._loop) for cf in cfs])
             raise
-        except ll.RunOutOfBounds as exc:
-            raise _out_of_bounds(batch, exc) from None
-        except ll.CopyStopped:
-            raise (self._closed or LLMLinkFailed("shm copy stopped")) from None
-        except LLMLinkFailed as exc:
-            self._broken(exc)
-            raise
-        finally:
-            self._inflight.discard(op)
 
     def _broken(self, exc: LLMException) -> None:
         if threading.get_ident() != self._loop_thread:  # a kvflow.sync caller's copy failed
@@ -549,7 +570,7 @@ class ShmEndpoint(Endpoint):
             os.close(self._pidfd)
             self._pidfd = None
         self._transport._endpoints.discard(self)
-        pending = [f for op in self._inflight for f in op.futs]
+        pending = [op.finished for op in self._inflight]
         if pending:
             await asyncio.wait(pending, timeout=10)
 
