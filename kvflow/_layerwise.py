@@ -468,7 +468,7 @@ def start_transfer(engine: TransferEngine, local: LocalCache, synchronizer: Any,
     blocks = src_block_indices is not None or dst_block_indices is not None
     if blocks and (src_block_indices is None or dst_block_indices is None):
         raise LLMParamInvalid("give both src_block_indices and dst_block_indices, or neither (whole slots)")
-    long = blocks and (is_long(src_block_indices, CALL_CHECK_BLOCKS) or is_long(dst_block_indices, CALL_CHECK_BLOCKS))
+    long = blocks and any(is_long(b, CALL_CHECK_BLOCKS) for b in (src_block_indices, dst_block_indices))
     if blocks and not long:
         db = block_list(dst_block_indices, 1 << 62, "dst_block_indices")
         if has_duplicates(db, 1 << 62):

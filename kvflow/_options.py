@@ -15,7 +15,14 @@ DEFAULT_TRANSPORTS = ("shm", "ucx", "tcp")
 #: 500 ms and 1.6 % at 666 ms; a peer's loop may stall about timeout - 1.25 x interval (1.17 s) before
 #: its links break (docs/decisions.md).
 HEARTBEAT_TIMEOUT_MS, MAX_DEFAULT_INTERVAL_MS = 2000, 1000
-HEARTBEAT_INTERVAL_MS = HEARTBEAT_TIMEOUT_MS // 3
+
+
+def default_interval_ms(timeout_ms: int) -> int:
+    """The heartbeat interval when only the timeout is known: a third of it, 10 ms to 1 s."""
+    return max(10, min(MAX_DEFAULT_INTERVAL_MS, timeout_ms // 3))
+
+
+HEARTBEAT_INTERVAL_MS = default_interval_ms(HEARTBEAT_TIMEOUT_MS)
 MIN_KEY_BYTES = 16  # shorter shared secrets are refused: one sniffed handshake must not let them be guessed
 
 
@@ -113,7 +120,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
         else:
             raise LLMParamInvalid(f"unknown option {key!r}")
     if "kvflow.HeartbeatInterval" not in options:  # three pings per timeout
-        opts.heartbeat_interval_ms = max(10, min(MAX_DEFAULT_INTERVAL_MS, opts.heartbeat_timeout_ms // 3))
+        opts.heartbeat_interval_ms = default_interval_ms(opts.heartbeat_timeout_ms)
     if opts.heartbeat_timeout_ms <= opts.heartbeat_interval_ms:
         raise LLMParamInvalid("option kvflow.HeartbeatTimeout must exceed kvflow.HeartbeatInterval")
     return opts

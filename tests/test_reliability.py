@@ -189,6 +189,19 @@ async def test_sigkill_mid_transfer_fails_every_future_within_bound_then_relinks
     assert_quiet(dd)
 
 
+async def pull_until_heartbeat_breaks(dd: LlmDataDist, peer: Peer, src: CacheIndex, cache: Any, block: int) -> float:
+    """Stop ``peer`` (SIGSTOP, resumed after), pull ``block`` with a long deadline: the seconds until
+    the pull failed for want of heartbeats."""
+    os.kill(peer.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LLMTimeoutError, match="heartbeat"):
+            await dd.pull_kv_blocks(src, cache, [block], [block], timeout_in_millis=20000)
+        return time.monotonic() - t0
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+
+
 @pytest.mark.asyncio
 async def test_sigstop_deadline_then_heartbeat(cleanup: list[Any]) -> None:
     d = desc(16, 64 << 10)
@@ -231,16 +244,9 @@ async def test_sigstop_deadline_then_heartbeat(cleanup: list[Any]) -> None:
     dst2 = Guarded(d, None)
     cache2 = await dd2.register_kv_cache(d, dst2.tensors)
     await dd2.pull_kv_blocks(src, cache2, [0], [0])
-    os.kill(peer.pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(LLMTimeoutError, match="heartbeat"):
-            await dd2.pull_kv_blocks(src, cache2, [1], [1], timeout_in_millis=20000)
-        took = time.monotonic() - t0
-        assert took < 1.5, took
-        assert dd2.link_info(PEER).state == "broken"
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
+    took = await pull_until_heartbeat_breaks(dd2, peer, src, cache2, 1)
+    assert took < 1.5, took
+    assert dd2.link_info(PEER).state == "broken"
     # re-link (the peer still holds its side of the old link until it notices: it is replaced)
     assert await link(dd2, PEER, peer.address) == LLMStatusCode.LLM_SUCCESS
     await dd2.pull_kv_blocks(src, cache2, [1], [1])
@@ -343,8 +349,8 @@ async def test_default_heartbeat_rides_out_a_short_stall_and_breaks_a_stopped_pe
     cache = await dd.register_kv_cache(d, dst.tensors)
     src = CacheIndex(PEER, peer.caches[0])
     await dd.pull_kv_blocks(src, cache, [0], [0])
-    os.kill(peer.pid, signal.SIGSTOP)
     cleanup.append(peer.pid)
+    os.kill(peer.pid, signal.SIGSTOP)
     try:
         await asyncio.sleep(0.6)
     finally:
@@ -352,15 +358,8 @@ async def test_default_heartbeat_rides_out_a_short_stall_and_breaks_a_stopped_pe
     await asyncio.sleep(0.5)
     assert dd.link_info(PEER).state == "linked"
     await dd.pull_kv_blocks(src, cache, [1], [1])
-    os.kill(peer.pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(LLMTimeoutError, match="heartbeat"):
-            await dd.pull_kv_blocks(src, cache, [2], [2], timeout_in_millis=20000)
-        took = time.monotonic() - t0
-        assert 1.0 <= took < 3.5, took  # 2 s after it was last heard, at most 0.83 s before the stop
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
+    took = await pull_until_heartbeat_breaks(dd, peer, src, cache, 2)
+    assert 1.0 <= took < 3.5, took  # 2 s after it was last heard, at most 0.83 s before the stop
     for t in range(2):
         assert (block_view(dst, t, [0, 1]) == expected(5, d, t, [0, 1])).all()
     assert dst.guards_ok()

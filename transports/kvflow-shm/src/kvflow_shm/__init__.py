@@ -381,11 +381,14 @@ class ShmEndpoint(Endpoint):
         state = f"CLOSED ({self._closed.args[0]})" if self._closed else "OPEN"
         return f"<ShmEndpoint pid={self.pid} {state} inflight={len(self._inflight)}>"
 
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
+
     def read_now(self, batch: RunBatch, write: bool = False) -> bool:
         """Check every run, then copy the batch here if it is at most ``kvflow.shm.InlineBytes`` in at
         most ``INLINE_RUNS`` runs."""
-        if self._closed is not None:
-            raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
+        self._check_open()
         t = self._transport
         out = self._out if threading.get_ident() == self._loop_thread else ll.scratch()
         try:
@@ -468,8 +471,7 @@ class ShmEndpoint(Endpoint):
     async def _run(self, write: bool, batch: RunBatch) -> None:
         if len(batch) <= INLINE_RUNS and self.read_now(batch, write):
             return
-        if self._closed is not None:
-            raise LLMLinkFailed(f"shm endpoint to pid {self.pid} is closed: {self._closed.args[0]}")
+        self._check_open()
         t = self._transport
         args = (self.pid, write, batch.local_addrs, batch.remote_addrs, batch.lengths, batch.local_tensor,
                 batch.remote_tensor, t._local_regions(batch.local_cache), _remote_regions(batch.remote_cache))
@@ -511,8 +513,9 @@ class ShmEndpoint(Endpoint):
         try:
             if head is not None:
                 await asyncio.wait([asyncio.wrap_future(head, loop=self._loop)])  # a cancel leaves head alone
-                if head.exception() is not None:
-                    return head.exception()
+                failed = head.exception()
+                if failed is not None:
+                    return failed
                 cfs = head.result()
             parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
             await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
