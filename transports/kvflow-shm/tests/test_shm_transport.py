@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -392,3 +394,143 @@ async def test_abort_fails_inflight_copies_and_later_calls(monkeypatch: pytest.M
             await t.close()
     finally:
         peer.stop()
+
+
+def _reversed_runs(n: int, bs: int) -> list[tuple[int, int, int]]:
+    return [(i * bs, 0, (n - 1 - i) * bs) for i in range(n)]
+
+
+async def _until_bytes_land(mem: np.ndarray) -> None:
+    for _ in range(400):
+        await asyncio.sleep(0.0005)
+        if mem.any():
+            return
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("runs", [1024, 256])  # checked and split on a copy thread; checked by read_now
+async def test_cancelling_a_copy_in_flight_reports_no_unretrieved_error(runs: int) -> None:
+    """Cancel a read while its parts copy: each part's CopyStopped is consumed by the cancelled call,
+    so the loop's exception handler never hears of a "Future exception was never retrieved"."""
+    peer = Peer(nbytes=64 << 20)
+    loop = asyncio.get_running_loop()
+    reports: list[str] = []
+    loop.set_exception_handler(lambda _loop, ctx: reports.append(f"{ctx['message']} {ctx.get('exception')!r}"))
+    try:
+        async with asyncio.timeout(60):
+            t = _transport({"kvflow.shm.InlineBytes": "0", "kvflow.shm.Threads": "2"})
+            ep = ShmEndpoint(t, peer.pid, None, _Channel())
+            mem = np.zeros(peer.nbytes, dtype=np.uint8)
+            batch = _batch(t, mem, [(peer.addr, peer.nbytes)], _reversed_runs(runs, peer.nbytes // runs))
+            cancelled = 0
+            for _ in range(8):
+                task = asyncio.ensure_future(ep.read(batch))
+                await _until_bytes_land(mem)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                cancelled += task.cancelled()
+                del task
+                mem[:] = 0
+                gc.collect()
+                await asyncio.sleep(0.01)
+            assert cancelled > 0  # the copy was still running when cancelled, at least once
+            assert reports == []
+            await ep.close()
+            await t.close()
+    finally:
+        loop.set_exception_handler(None)
+        peer.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["abort", "close"])
+async def test_a_copy_failed_by_abort_or_close_leaves_no_garbage(how: str) -> None:
+    """The error a waiting copy raises when its endpoint is aborted or closed is a fresh exception:
+    raising the stored one tied the endpoint, the error and the raising frame into a cycle."""
+    peer = Peer(nbytes=64 << 20)
+    try:
+        async with asyncio.timeout(60):
+            t = _transport({"kvflow.shm.InlineBytes": "0", "kvflow.shm.Threads": "2"})
+            mem = np.zeros(peer.nbytes, dtype=np.uint8)
+
+            async def one() -> None:
+                ep = ShmEndpoint(t, peer.pid, None, _Channel())
+
+                async def stop_it() -> None:
+                    await _until_bytes_land(mem)
+                    if how == "abort":
+                        ep.abort(LLMLinkFailed("test abort"))
+                    else:
+                        await ep.close()
+
+                # the read is awaited here, not through a task held in a local: a task that holds
+                # its own exception, whose traceback holds this frame, would be a cycle of the test's
+                stopper = asyncio.ensure_future(stop_it())
+                with contextlib.suppress(LLMLinkFailed):
+                    await ep.read(_batch(t, mem, [(peer.addr, peer.nbytes)], _reversed_runs(1024, peer.nbytes // 1024)))
+                await stopper
+                await ep.close()
+                mem[:] = 0
+
+            await one()  # starts the copy threads
+            gc.collect()
+            flags, before = gc.get_debug(), len(gc.garbage)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                await one()
+                await asyncio.sleep(0.05)
+                gc.collect()
+                left = [type(o).__qualname__ for o in gc.garbage[before:]]
+            finally:
+                gc.set_debug(flags)
+                del gc.garbage[before:]
+            assert left == []
+            await t.close()
+    finally:
+        peer.stop()
+
+
+@pytest.mark.asyncio
+async def test_close_waits_for_a_copy_stalled_in_the_peers_page_fault(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A peer whose pages fault without end (userfaultfd) holds our copy thread inside
+    ``process_vm_readv``: ``close()`` keeps waiting (and says so) rather than return while that
+    syscall can still write into our memory. Once the peer lets go, close() returns, and no byte
+    lands after it."""
+    monkeypatch.setattr(kvflow_shm, "CLOSE_WARN_S", 0.2)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_peer.serve_faulting, args=(child, 2 << 20), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert conn.poll(30)
+        info = conn.recv()
+        if "error" in info:
+            pytest.skip(f"this machine does not let a test process use {info['error']}")
+        async with asyncio.timeout(60):
+            t = _transport({"kvflow.shm.InlineBytes": "0", "kvflow.shm.Threads": "2"})
+            ep = ShmEndpoint(t, info["pid"], None, _Channel())
+            bs, n = 4096, 300  # more than INLINE_RUNS: checked and split on a copy thread
+            mem = np.zeros(n * bs, dtype=np.uint8)
+            task = asyncio.ensure_future(ep.read(_batch(t, mem, [(info["addr"], info["nbytes"])],
+                                                        [(i * bs, 0, i * bs) for i in range(n)])))
+            await asyncio.sleep(0.3)
+            assert not task.done() and not mem.any()  # stalled in the peer's first page fault
+            with caplog.at_level(logging.WARNING, logger="kvflow.shm"):
+                closing = asyncio.ensure_future(ep.close())
+                await asyncio.sleep(0.6)
+                assert not closing.done()
+                assert "still inside a syscall after close" in caplog.text
+            conn.send(("resolve", 0xAB))
+            await closing
+            landed = int(np.count_nonzero(mem))
+            await asyncio.sleep(0.3)
+            assert int(np.count_nonzero(mem)) == landed  # nothing lands after close() returned
+            with pytest.raises(LLMLinkFailed, match="link closed"):
+                await task
+            await t.close()
+    finally:
+        proc.kill()
+        proc.join(10)

@@ -58,6 +58,8 @@ DEFAULT_THREADS = 2
 #: A batch is split over the worker threads only into parts of at least this many bytes.
 SPLIT_BYTES = 4 << 20
 #: Environment switch that turns the transport off on this machine.
+#: Seconds between the warnings of a close() that waits for a copy stalled inside its syscall.
+CLOSE_WARN_S = 10.0
 DISABLE_ENV = "KVFLOW_SHM_DISABLE"
 PROBE_BYTES = 16
 _CAP_SYS_PTRACE = 19
@@ -489,7 +491,7 @@ class ShmEndpoint(Endpoint):
             if isinstance(err, ll.RunOutOfBounds):
                 raise _out_of_bounds(batch, err) from None
             if isinstance(err, ll.CopyStopped):
-                raise (self._closed or LLMLinkFailed("shm copy stopped")) from None
+                raise (_fresh(self._closed) if self._closed else LLMLinkFailed("shm copy stopped")) from None
             if isinstance(err, LLMLinkFailed):
                 self._broken(err)
             raise err
@@ -510,14 +512,18 @@ class ShmEndpoint(Endpoint):
             head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
         else:  # read_now has checked it
             cfs = [pool.submit(ll.transfer, *part, stop=stop) for part in _split(args, batch.nbytes, t.threads)]
+        # One asyncio wrapper per concurrent future, made once and settled by whichever path ends
+        # the copy: a wrapper left behind would report its CopyStopped as never retrieved.
+        head_w = None if head is None else asyncio.wrap_future(head, loop=self._loop)
+        parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
         try:
-            if head is not None:
-                await asyncio.wait([asyncio.wrap_future(head, loop=self._loop)])  # a cancel leaves head alone
-                failed = head.exception()
+            if head_w is not None:
+                await asyncio.wait([head_w])  # a cancel leaves head alone
+                failed = head_w.exception()
                 if failed is not None:
                     return failed
-                cfs = head.result()
-            parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
+                cfs = head_w.result()
+                parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
             await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
             if not all(f.done() for f in parts):  # one part failed: stop the others first
                 stop.set()
@@ -526,14 +532,15 @@ class ShmEndpoint(Endpoint):
             return next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0]) if errors else None
         except asyncio.CancelledError:
             stop.set()
-            if head is not None:
+            if head is not None and head_w is not None and not cfs:
                 head.cancel()  # not yet started: never starts, and submits no parts
-                await _settle([asyncio.wrap_future(head, loop=self._loop)])
-                if not cfs and not head.cancelled() and head.exception() is None:
-                    cfs = head.result()
+                await _settle([head_w])
+                if not head_w.cancelled() and head_w.exception() is None:
+                    cfs = head_w.result()
+                    parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
             for cf in cfs:
                 cf.cancel()  # not yet started: never starts
-            await _settle([asyncio.wrap_future(cf, loop=self._loop) for cf in cfs])
+            await _settle(parts)
             raise
 
     def _broken(self, exc: LLMException) -> None:
@@ -551,7 +558,9 @@ class ShmEndpoint(Endpoint):
 
     def abort(self, exc: BaseException) -> None:
         if self._closed is None:
-            self._closed = exc if isinstance(exc, LLMException) else LLMLinkFailed(str(exc) or type(exc).__name__)
+            # a copy that was never raised: raising the stored one would give it a traceback holding
+            # the raising frame, which holds this endpoint (a cycle left to the collector)
+            self._closed = _fresh(exc) if isinstance(exc, LLMException) else LLMLinkFailed(str(exc) or type(exc).__name__)
         for op in self._inflight:
             op.stop.set()
         if self._watching and self._pidfd is not None:  # the pidfd stays open until close(): peer_exited()
@@ -573,9 +582,22 @@ class ShmEndpoint(Endpoint):
             os.close(self._pidfd)
             self._pidfd = None
         self._transport._endpoints.discard(self)
-        pending = [op.finished for op in self._inflight]
-        if pending:
-            await asyncio.wait(pending, timeout=10)
+        # No bound on this wait: a copy stalled inside its syscall (a peer whose pages fault slowly)
+        # can still write into our memory, so close() returns only once none can. Say so meanwhile.
+        pending = {op.finished for op in self._inflight}
+        while pending:
+            try:
+                _, pending = await asyncio.wait(pending, timeout=CLOSE_WARN_S)
+            except asyncio.CancelledError:
+                continue  # cancelling close() does not release the memory sooner
+            if pending:
+                log.warning("shm endpoint to pid %d: %d copies still inside a syscall after close; waiting "
+                            "for them (their memory stays in use until then)", self.pid, len(pending))
+
+
+def _fresh(exc: LLMException) -> LLMException:
+    """A new exception of the same type, message and status, with no traceback."""
+    return type(exc)(exc.args[0] if exc.args else "", exc.status_code)
 
 
 def _regions(regions: Any) -> ll.Regions:
