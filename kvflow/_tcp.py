@@ -866,6 +866,7 @@ class TcpChannel(CacheUser):
                 else:
                     out.bufs = [HDR.pack(READ_RSP, 0, 0, 0, out.rsp_req, code, 0)]
                     out.runs = None
+                    out.cursor = None  # one made over the old reply by a send that got EAGAIN
                     local.unpin(self)
                     out.pinned = None
             elif out.op is not None and out.op.abandoned and out.idx >= 0:

@@ -400,3 +400,69 @@ async def test_unregister_with_a_live_peer_is_confirmed_and_final(cleanup: list[
     assert srv.link_info(8).state == "linked"
     with pytest.raises(LLMKvCacheNotExist):
         await peer.call("pull_blocks", PEER, cache.cache_id, peer.caches[0], [0], [0], 2000)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("runs", [1, 16])  # the reply's payload as views; as a run table (more than 8 runs)
+async def test_a_reply_revoked_before_its_first_byte_reads_nothing_of_the_unregistered_cache(runs: int) -> None:
+    """The peer reads 128 KiB of a cache; our send side is full, so the reply's first sendmsg gets
+    EAGAIN and leaves a cursor over the reply. The cache's unregistration then passes its deadline
+    (``revoke``): the reply becomes an error header, and when the socket drains the peer gets that
+    header and nothing of the cache, which the application has meanwhile refilled with 0xEE. The
+    stale cursor sent the original reply from the unregistered memory (1 run) or a header promising
+    a payload that never came (16 runs)."""
+    import socket
+
+    import numpy as np
+
+    from kvflow import LLMKvCacheNotExist, LLMStatusCode
+    from kvflow._memory import Registry
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+    from kvflow._types import CacheDesc, DataType
+
+    reg = Registry()
+    arr = np.full(1 << 20, 0x11, dtype=np.uint8)
+    local = reg.add(CacheDesc(1, DataType.DT_INT8, [1 << 20]), [arr])
+    lsock = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(lsock.getsockname())
+    ours, _ = lsock.accept()
+    lsock.close()
+    ch = TcpChannel(ours, reg, lambda exc: None, 0.0, workers=None)
+    try:
+        async with asyncio.timeout(30):
+            filler = 0
+            for _ in range(20):  # fill our send side: the peer reads nothing yet
+                while True:
+                    try:
+                        filler += ours.send(b"\0" * 65536)
+                    except BlockingIOError:
+                        break
+                await asyncio.sleep(0.01)
+            nbytes, base = 128 << 10, int(arr.ctypes.data)
+            step = nbytes // runs
+            pairs = [v for i in range(runs) for v in (base + i * step, step)]
+            request = HDR.pack(READ_REQ, 0, 0, runs, 7, local.cache_id, nbytes) + struct.pack(f"<{2 * runs}Q", *pairs)
+            peer.sendall(request)
+            await until(lambda: bool(ch._sendq) and ch._sendq[0].cursor is not None, 5)
+            assert ch._sendq[0].idx == -1  # no byte of the reply has gone out
+            ch.revoke(local, LLMKvCacheNotExist("cache gone"))
+            assert local.inflight == 0
+            arr[:] = 0xEE  # the application reuses the memory once unregister returned
+            peer.setblocking(False)
+            got = bytearray()
+            want = filler + HDR.size
+            deadline = time.monotonic() + 10
+            grace = None  # once the header is in: 0.3 s more for any byte that follows it
+            while time.monotonic() < (deadline if grace is None else grace):
+                try:
+                    got += peer.recv(1 << 20)
+                except BlockingIOError:
+                    await asyncio.sleep(0.005)
+                if grace is None and len(got) >= want:
+                    grace = time.monotonic() + 0.3
+            assert len(got) == want  # nothing follows the error header
+            kind, _flags, _res, _count, req_id, status, total = HDR.unpack(bytes(got[filler:]))
+            assert (kind, req_id, status, total) == (READ_RSP, 7, int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST), 0)
+    finally:
+        ch.close()
+        peer.close()
