@@ -534,3 +534,37 @@ async def test_close_waits_for_a_copy_stalled_in_the_peers_page_fault(monkeypatc
     finally:
         proc.kill()
         proc.join(10)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("runs", [1024, 256])  # submitted by a copy thread; by the loop
+async def test_a_copy_that_meets_a_shut_down_pool_fails_with_a_typed_error(runs: int,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport closing under a copy (its pool shut down between the call and the submit) is
+    LLMLinkFailed, not the executor's bare RuntimeError; nothing moves."""
+    peer = Peer(nbytes=16 << 20)
+    try:
+        async with asyncio.timeout(30):
+            t = _transport({"kvflow.shm.InlineBytes": "0"})
+            ep = ShmEndpoint(t, peer.pid, None, _Channel())
+            mem = np.zeros(peer.nbytes, dtype=np.uint8)
+            batch = _batch(t, mem, [(peer.addr, peer.nbytes)], _reversed_runs(runs, peer.nbytes // runs))
+            if runs > kvflow_shm.INLINE_RUNS:  # the head job runs; the parts it submits meet the shut-down pool
+                pool = t._executor()
+                real_submit = pool.submit
+
+                def submit_then_shut(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                    fut = real_submit(fn, *args, **kwargs)
+                    pool.shutdown(wait=False)
+                    return fut
+
+                monkeypatch.setattr(pool, "submit", submit_then_shut)
+            else:
+                t._executor().shutdown(wait=False)
+            with pytest.raises(LLMLinkFailed, match="copy threads are shut down"):
+                await ep.read(batch)
+            assert not mem.any()
+            await ep.close()
+            await t.close()
+    finally:
+        peer.stop()

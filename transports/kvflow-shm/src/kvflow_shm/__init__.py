@@ -336,7 +336,7 @@ def _check_and_start(pool: ThreadPoolExecutor, table: np.ndarray, args: tuple[An
         for cf in cfs:
             cf.cancel()
         wait_threads(cfs)
-        raise
+        raise LLMLinkFailed("shm transport is closing: its copy threads are shut down") from None
     return cfs
 
 
@@ -508,10 +508,16 @@ class ShmEndpoint(Endpoint):
         pool = t._executor()
         head: Future[list[Future[int]]] | None = None
         cfs: list[Future[int]] = []
-        if len(batch) > INLINE_RUNS:
-            head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
-        else:  # read_now has checked it
-            cfs = [pool.submit(ll.transfer, *part, stop=stop) for part in _split(args, batch.nbytes, t.threads)]
+        try:
+            if len(batch) > INLINE_RUNS:
+                head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
+            else:  # read_now has checked it
+                for part in _split(args, batch.nbytes, t.threads):
+                    cfs.append(pool.submit(ll.transfer, *part, stop=stop))
+        except RuntimeError:  # the pool is shut down: the transport is closing
+            stop.set()
+            await _settle([asyncio.wrap_future(cf, loop=self._loop) for cf in cfs])
+            return LLMLinkFailed("shm transport is closing: its copy threads are shut down")
         # One asyncio wrapper per concurrent future, made once and settled by whichever path ends
         # the copy: a wrapper left behind would report its CopyStopped as never retrieved.
         head_w = None if head is None else asyncio.wrap_future(head, loop=self._loop)
