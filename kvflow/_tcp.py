@@ -515,7 +515,10 @@ class TcpChannel(CacheUser):
             return
         if job.cursor.done:
             self._sent(self._sendq[0])
-        self._flush()
+            self._flush()
+        elif self._closed is None and not self._writer_on:  # handed back on a full socket: resume once
+            self._loop.add_writer(self._fd, self._flush)   # it has room, not on a thread polling it
+            self._writer_on = True
 
     # ---------------------------------------------------------------- receiving
     def _expect_soon(self) -> None:
@@ -636,8 +639,9 @@ class TcpChannel(CacheUser):
             self._rx_job = None
             self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
             return
+        # The reader (level-triggered) resumes the payload once bytes wait: a payload handed back
+        # on an empty socket (a stalled peer) then waits in epoll, not on a thread polling for it.
         self._rx_resume(job)
-        self._on_readable()  # what is already buffered (the reader fires for what comes later)
 
     def _rx_resume(self, job: pump.Job) -> None:
         """The loop reads again from where the stopped or returned ``job`` left the payload."""

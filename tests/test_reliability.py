@@ -24,6 +24,7 @@ import pytest
 import pytest_asyncio
 
 import kvflow._link as link_mod
+import kvflow._pump as pump
 import kvflow._tcp as tcp
 from kvflow import (
     CacheDesc,
@@ -303,6 +304,41 @@ async def test_data_stalled_mid_payload_late_bytes_are_discarded(cleanup: list[A
     for t in range(2):
         assert (block_view(dst, t, range(16)) == snapshot[t]).all(), "a late byte landed after the call raised"
         assert (block_view(dst, t, range(16, 32)) == expected(11, d, t, range(16, 32))).all()
+    assert dst.guards_ok()
+    assert_quiet(dd)
+
+
+@pytest.mark.asyncio
+async def test_a_payload_stalled_past_hold_s_waits_in_epoll_not_on_a_thread(cleanup: list[Any],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker thread gives back a payload whose socket stayed empty for ``HOLD_S``; the loop's
+    reader then waits for the next byte, rather than hand the payload straight back to a thread that
+    polls the same empty socket again (every ``HOLD_S``, for as long as the peer stalls). Once the
+    peer resumes, the payload goes on and lands exact."""
+    monkeypatch.setattr(pump, "HOLD_S", 0.02)
+    starts: list[int] = []
+    receive = pump.Pool.receive
+
+    def counted(pool: pump.Pool, sock: socket.socket, job: pump.Job) -> Any:
+        starts.append(job.left)
+        return receive(pool, sock, job)
+
+    monkeypatch.setattr(pump.Pool, "receive", counted)
+    d = desc(32, 256 << 10)  # 16 MiB
+    _peer, proxy, dd, dst, cache, src = await proxied(cleanup, d, 12)
+    proxy.stall(after=3 << 20, direction="down", conns=[DATA])
+    task = asyncio.ensure_future(dd.pull_kv_blocks(src, cache, list(range(16)), list(range(16)),
+                                                   timeout_in_millis=30000))
+    ch = chan(dd)
+    await until(lambda: bool(starts) and ch._rx_job is None and ch._state == tcp._ST_PAYLOAD, 10,
+                "the stalled payload handed back")
+    before = len(starts)
+    await asyncio.sleep(0.4)  # twenty times HOLD_S, the peer still stalled
+    assert len(starts) == before, f"the stalled payload went back to a thread {len(starts) - before} times"
+    proxy.resume()
+    await asyncio.wait_for(task, 10)
+    for t in range(2):
+        assert (block_view(dst, t, range(16)) == expected(12, d, t, range(16))).all()
     assert dst.guards_ok()
     assert_quiet(dd)
 
