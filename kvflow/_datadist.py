@@ -206,14 +206,27 @@ class LlmDataDist:
         it, its link is broken, and the cache stays registered (do not free the memory)."""
         self._ready()
         check_int("cache_id", cache_id, 1)
-        local = self._registry.get_any(cache_id)
-        if local is None or local.closing:
-            return
-        with GUARD:  # a copy on a caller's thread that uses it has ended; none starts from now on
-            local.closing = True  # new peer requests now get LLM_KV_CACHE_NOT_EXIST
         timeout = self._engine.deadline(timeout_in_millis)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        local = self._registry.get_any(cache_id)
+        while local is not None and local.closing:
+            under_way = local.unregistering
+            if under_way is None:
+                return  # being dropped by finalize
+            # Another call is unregistering it: its success is ours; if it fails the cache stays
+            # registered, and this call tries again (returning at once told a caller to free memory
+            # that the first call was still waiting to stop using).
+            await asyncio.wait([under_way], timeout=max(0.0, deadline - loop.time()))
+            if not under_way.done():
+                raise LLMWaitProcessTimeout(f"cache {cache_id} is still being unregistered by another call; "
+                                            "it stays registered until that call ends: do not free the memory")
+            local = self._registry.get_any(cache_id)
+        if local is None:
+            return
+        with GUARD:  # a copy on a caller's thread that uses it has ended; none starts from now on
+            local.closing = True  # new peer requests now get LLM_KV_CACHE_NOT_EXIST
+        under_way = local.unregistering = loop.create_future()
         try:
             holders = await self._table.revoke_peers(cache_id, timeout)
             if local.inflight:
@@ -233,8 +246,12 @@ class LlmDataDist:
                 local.closing = False  # not unregistered: the cache stays usable
             local.idle = None
             raise
-        self._table.forget_cache(cache_id)
-        self._drop_cache(local)
+        else:
+            self._table.forget_cache(cache_id)
+            self._drop_cache(local)
+        finally:
+            local.unregistering = None
+            under_way.set_result(None)
 
     async def _wait_local(self, local: LocalCache, budget: float) -> None:
         """Wait for the operations that run in this process on the cache; then stop them (typed errors on

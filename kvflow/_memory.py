@@ -210,6 +210,7 @@ class LocalCache:
     order: np.ndarray = field(init=False)
     inflight: int = 0
     closing: bool = False
+    unregistering: asyncio.Future[None] | None = None  # the unregister call under way; done when it ends
     idle: asyncio.Event | None = None
     pins: dict[CacheUser | None, int] = field(default_factory=dict)  # who holds the operations (None: us)
     descs: dict[str, list[bytes | None]] = field(default_factory=dict)  # per transport, for peers

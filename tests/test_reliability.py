@@ -40,6 +40,7 @@ from kvflow import (
     LlmRole,
     LLMStatusCode,
     LLMTimeoutError,
+    LLMWaitProcessTimeout,
 )
 from kvflow import _notes as notes
 from kvflow import _wire as wire
@@ -597,6 +598,29 @@ async def test_unregister_waits_for_a_peer_read_in_progress(cleanup: list[Any]) 
         await peer.call("pull_blocks", LOCAL, cache.cache_id, peer.caches[0], [0], [0], 3000)
     assert dd.link_info(PEER).state == "linked"
     assert (await peer.call("links"))[LOCAL] == "linked"
+
+
+@pytest.mark.asyncio
+async def test_a_second_unregister_of_the_same_cache_returns_only_with_the_first(cleanup: list[Any]) -> None:
+    """Two unregisters of one cache while a peer's read of it is stalled: the second returns once the
+    first has ended, not at once (which told its caller to free memory the first call was still
+    waiting to stop the peer reading). A second call whose own deadline comes first says the cache
+    stays registered."""
+    dd, peer, proxy, g, cache, pull = await stalled_peer_read(cleanup, 33)
+    first = asyncio.ensure_future(dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=10000))
+    await asyncio.sleep(0.1)
+    with pytest.raises(LLMWaitProcessTimeout, match="still being unregistered by another call"):
+        await dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=200)
+    assert not first.done()
+    second = asyncio.ensure_future(dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=10000))
+    await asyncio.sleep(0.3)
+    assert not second.done(), "the second unregister returned while the first still waits for the peer"
+    proxy.resume()
+    await asyncio.wait_for(first, 10)
+    await asyncio.wait_for(second, 10)
+    assert inspect.local_cache(dd, cache.cache_id) is None
+    await asyncio.wait_for(pull, 10)  # the read finished whole before the cache went
+    assert await peer.call("crcs", peer.caches[0], None) == g.crcs()
 
 
 @pytest.mark.asyncio
