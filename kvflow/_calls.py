@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, TypeVar
 
 from ._status import LLMFailed
+
+T = TypeVar("T")
 
 
 def _closed_while_running() -> LLMFailed:
@@ -58,8 +60,9 @@ class _Call:
     def wait(self, loop: asyncio.AbstractEventLoop) -> Any:
         try:
             self.lock.acquire()
-        except BaseException:  # KeyboardInterrupt in the caller: stop the call, as cancelling an awaiter does
-            self._cancel(loop)
+        except BaseException:  # KeyboardInterrupt in the caller: stop the call, as cancelling an awaiter does,
+            self._cancel(loop)  # and return only once it has stopped (its memory is then no longer used)
+            self._wait_stopped(loop)
             raise
         exc = self.exc
         if exc is None:
@@ -69,6 +72,18 @@ class _Call:
             raise exc
         finally:
             del exc
+
+    def _wait_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a cancel: wait until the call has ended on the loop, through further interrupts; stop
+        waiting only if the loop is closed (then nothing of it runs any more)."""
+        while True:
+            try:
+                if self.lock.acquire(timeout=0.25):
+                    return
+            except BaseException:  # another Ctrl-C: the transfer may still write into the caller's memory
+                continue
+            if loop.is_closed():
+                return
 
     def _cancel(self, loop: asyncio.AbstractEventLoop) -> None:
         def cancel() -> None:
@@ -81,16 +96,37 @@ class _Call:
             pass
 
 
-def _start_future(loop: asyncio.AbstractEventLoop, fut: concurrent.futures.Future[Any], fn: Callable[..., Any],
+class OpFuture(concurrent.futures.Future[T]):
+    """The future of a ``submit_*`` call. ``cancel()`` of one not yet done also stops the operation on
+    the loop and returns once nothing of it runs any more, so that no byte of it lands in the
+    caller's memory afterwards (on the loop thread itself it cannot wait for the loop, and does not)."""
+
+    def __init__(self, loop_thread: threading.Thread) -> None:
+        super().__init__()
+        self.stopped = threading.Event()  # set once the operation has ended, or will never start
+        self._loop_thread = loop_thread
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        if threading.current_thread() is not self._loop_thread:
+            while not self.stopped.wait(0.25) and self._loop_thread.is_alive():
+                pass
+        return True
+
+
+def _start_future(loop: asyncio.AbstractEventLoop, fut: OpFuture[Any], fn: Callable[..., Any],
                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """On the loop thread: run ``fn(*args, **kwargs)`` as a task whose outcome settles ``fut``;
-    cancelling ``fut`` cancels the task."""
+    cancelling ``fut`` cancels the task (``fut.stopped`` is set once it has ended)."""
     if fut.cancelled():
+        fut.stopped.set()
         return
     try:
         task = loop.create_task(fn(*args, **kwargs))
     except BaseException as exc:
         _settle(fut, None, exc)
+        fut.stopped.set()
         return
 
     def copy(t: asyncio.Future[Any]) -> None:
@@ -101,13 +137,14 @@ def _start_future(loop: asyncio.AbstractEventLoop, fut: concurrent.futures.Futur
             _settle(fut, None, t.exception())
         else:
             _settle(fut, t.result(), None)
+        fut.stopped.set()
 
     def on_cancel(f: concurrent.futures.Future[Any]) -> None:
         if f.cancelled():
             try:
                 loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:
-                pass
+            except RuntimeError:  # the loop is closed: the task runs no more
+                fut.stopped.set()
 
     task.add_done_callback(copy)
     fut.add_done_callback(on_cancel)

@@ -20,7 +20,7 @@ import threading
 import weakref
 from typing import Any, Callable, Coroutine, Mapping, Sequence, TypeVar
 
-from ._calls import _Call, _start_future
+from ._calls import OpFuture, _Call, _start_future
 from ._datadist import LinkInfo
 from ._datadist import LlmDataDist as _AsyncLlmDataDist
 from ._engine import PULL, PUSH, Request
@@ -205,7 +205,7 @@ class LlmDataDist:
 
     def _submit(self, what: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
                 **kwargs: Any) -> concurrent.futures.Future[T]:
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        fut: OpFuture[T] = OpFuture(self._thread)
         self._schedule(f"submit_{what}", _start_future, self._loop, fut, fn, args, kwargs)
         return fut
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import gc
 import inspect
@@ -635,3 +636,93 @@ for _name, _test in list(vars(api_suite).items()):
     if _name.startswith("test_") and inspect.iscoroutinefunction(_test):
         globals()[f"test_api_{_name[len('test_'):]}"] = _through_sync(_test)
 del _name, _test
+
+
+# ------------------------------------------------------------------ cancelling a stalled transfer
+STALL_OPTS = {"kvflow.Transports": "shm", "kvflow.HeartbeatTimeout": "10000", "llm.SyncKvCacheWaitTime": "30000"}
+
+
+@pytest.fixture
+def faulting_peer() -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A shm peer whose cache pages fault until resolved (tests/_uffdpeer.py)."""
+    import multiprocessing as mp
+
+    from . import _uffdpeer
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_uffdpeer.serve, args=(child, 8 << 20, STALL_OPTS), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert conn.poll(60)
+        info = conn.recv()
+        if "error" in info:
+            pytest.skip(f"this machine does not let a test process use {info['error']}")
+        yield conn, info
+    finally:
+        with contextlib.suppress(OSError):
+            conn.send(("exit",))
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _stalled_pull(conn: Any, info: dict[str, Any]) -> tuple[kvflow.sync.LlmDataDist, list[np.ndarray], Any]:
+    """A blocking-API instance, linked over shm, and a pull of blocks 1..63 stalled in the peer's
+    first page fault; the peer resolves every page 0.5 s from now (from a timer thread)."""
+    half, rid = info["half"], info["cache_id"]
+    desc = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[half // 4096, 4096])
+    dd = kvflow.sync.LlmDataDist(2, LlmRole.DECODER, options=STALL_OPTS)
+    dd.initialize()
+    assert dd.link_llm_clusters([ClusterInfo(PEER_CLUSTER, [IpInfo("127.0.0.1", info["port"])])], 5000) == [0]
+    arrs = [np.zeros(desc.tensor_bytes, np.uint8) for _ in range(2)]
+    cache = dd.register_kv_cache(desc, arrs)
+    blocks_ = list(range(1, 64))
+
+    def resolve() -> None:
+        conn.send(("resolve", 0, 2 * half, 0xAB))
+        conn.recv()
+
+    threading.Timer(0.5, resolve).start()
+    return dd, arrs, (CacheIndex(PEER_CLUSTER, rid), cache, blocks_)
+
+
+def test_cancelling_a_submitted_pull_returns_once_no_byte_of_it_can_land(
+        faulting_peer: tuple[Any, dict[str, Any]]) -> None:
+    """``fut.cancel()`` of a submitted pull whose copy is stalled in the peer's page fault returns
+    only once the copy has stopped: no byte lands after it. It used to return at once."""
+    conn, info = faulting_peer
+    dd, arrs, (ci, cache, blocks_) = _stalled_pull(conn, info)
+    try:
+        fut = dd.submit_pull_kv_blocks(ci, cache, blocks_, blocks_, timeout_in_millis=30_000)
+        time.sleep(0.2)
+        assert not fut.done()
+        t0 = time.monotonic()
+        assert fut.cancel() and fut.cancelled()
+        assert time.monotonic() - t0 > 0.2  # it waited for the stalled copy (resolved at 0.5 s)
+        landed = sum(int(np.count_nonzero(a)) for a in arrs)
+        time.sleep(0.3)
+        assert sum(int(np.count_nonzero(a)) for a in arrs) == landed
+    finally:
+        dd.close()
+
+
+def test_ctrl_c_in_a_blocking_pull_returns_once_no_byte_of_it_can_land(
+        faulting_peer: tuple[Any, dict[str, Any]]) -> None:
+    """Ctrl-C (SIGINT to the calling thread) during a blocking pull stalled in the peer's page fault:
+    KeyboardInterrupt reaches the caller only once the copy has stopped."""
+    conn, info = faulting_peer
+    dd, arrs, (ci, cache, blocks_) = _stalled_pull(conn, info)
+    me = threading.get_ident()
+    threading.Timer(0.2, lambda: signal.pthread_kill(me, signal.SIGINT)).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            dd.pull_kv_blocks(ci, cache, blocks_, blocks_, timeout_in_millis=30_000)
+        assert time.monotonic() - t0 > 0.4  # interrupted at 0.2 s, stalled until 0.5 s
+        landed = sum(int(np.count_nonzero(a)) for a in arrs)
+        time.sleep(0.3)
+        assert sum(int(np.count_nonzero(a)) for a in arrs) == landed
+    finally:
+        dd.close()
