@@ -460,9 +460,10 @@ class ShmEndpoint(Endpoint):
         return entry
 
     def forget_local(self, cache_id: int) -> None:
-        """Drop the pairs of local cache ``cache_id`` (unregistered)."""
-        for key in [k for k in self._pairs if k[1] == cache_id]:
-            del self._pairs[key]
+        """Drop the pairs of local cache ``cache_id`` (unregistered). A kvflow.sync caller's thread may
+        add pairs meanwhile (under GUARD, which the loop does not take here): iterate over a copy."""
+        for key in [k for k in list(self._pairs) if k[1] == cache_id]:
+            self._pairs.pop(key, None)
 
     async def read(self, batch: RunBatch) -> None:
         await self._run(False, batch)
