@@ -951,6 +951,7 @@ static void *kvf_helper_main(void *arg)
 {
     kvf_worker *w = arg;
     unsigned n, quiet = 0;
+    int tell;
     uint64_t one = 1;
     struct timespec nap = {0, 50000};
 
@@ -972,15 +973,21 @@ static void *kvf_helper_main(void *arg)
             w->wake = 1;
         }
         pthread_mutex_lock(&w->evmu);
-        if ((w->wake || w->nev != 0) && !w->notified) {
+        tell = (w->wake || w->nev != 0) && !w->notified;
+        if (tell) {
             w->notified = 1;
             w->wake = 0;
-            if (write(w->notify_fd, &one, sizeof(one)) < 0 && errno != EAGAIN) {
-                w->notified = 0;
-            }
         }
         pthread_mutex_unlock(&w->evmu);
         pthread_mutex_unlock(&w->lk->mu);
+        /* Told with no lock held: the write wakes the loop thread, which takes evmu (and then the
+           context lock) at once, while this SCHED_IDLE thread may not get a core back for a long
+           time on a busy host; holding either lock across the write made the loop wait for it. */
+        if (tell && write(w->notify_fd, &one, sizeof(one)) < 0 && errno != EAGAIN) {
+            pthread_mutex_lock(&w->evmu);
+            w->notified = 0;
+            pthread_mutex_unlock(&w->evmu);
+        }
         quiet = n != 0 ? 0 : quiet + 1;
         if (quiet > 64) {
             nanosleep(&nap, NULL);
