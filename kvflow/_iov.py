@@ -17,7 +17,6 @@ import errno
 import os
 import socket
 from bisect import bisect_left, bisect_right
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -76,10 +75,13 @@ class IovCursor:
         self._iov[0::2] = addrs
         self._iov[1::2] = lens
         self._slots = self._iov.data  # a memoryview: sets one field without a numpy call
-        self._base = int(self._iov.ctypes.data)
-        self._addrs: list[int] = self._iov[0::2].tolist()
-        self._lens: list[int] = self._iov[1::2].tolist()
-        self._ends = list(accumulate(self._lens))  # bisect on a list beats numpy on one value
+        self._base = int(self._iov.__array_interface__["data"][0])
+        # the runs as given (the table's first iovec of a cut run is rewritten as it is consumed);
+        # read only where a run is cut, once per syscall at most
+        self._addrs, self._lens = addrs, lens
+        # ends as a list (bisect on a list beats numpy on one value), summed in C: for 2048 runs a
+        # third of the time of tolist() and accumulate(), on the loop thread for every frame
+        self._ends: list[int] = np.cumsum(lens, dtype=np.uint64).tolist()
         self._hdr = _MsgHdr()
         self.chunk_bytes = chunk_bytes
         self.n = n
@@ -142,5 +144,5 @@ class IovCursor:
         if i < self.n:  # run i may be partly done: its iovec starts at the first byte left
             off = pos - (self._ends[i - 1] if i else 0)
             if off:
-                self._slots[2 * i] = self._addrs[i] + off
-                self._slots[2 * i + 1] = self._lens[i] - off
+                self._slots[2 * i] = int(self._addrs[i]) + off
+                self._slots[2 * i + 1] = int(self._lens[i]) - off
