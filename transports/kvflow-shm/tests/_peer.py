@@ -87,36 +87,21 @@ def serve_datadist(conn: Connection, options: dict[str, str], seed: int) -> None
     asyncio.run(main())
 
 
-_SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(os.uname().machine, -1)
-_UFFDIO_API, _UFFDIO_REGISTER, _UFFDIO_COPY = 0xC018AA3F, 0xC020AA00, 0xC028AA03
-
 
 def serve_faulting(conn: Connection, nbytes: int) -> None:
-    """Own ``nbytes`` whose pages are all missing and registered with userfaultfd: a copy from them
-    stalls inside ``process_vm_readv`` until told ("resolve", value), which fills every page with
-    ``value``. Sends {"error": ...} instead where userfaultfd is not allowed (it needs root,
-    CAP_SYS_PTRACE or vm.unprivileged_userfaultfd=1)."""
-    import struct
+    """Own ``nbytes`` of ``kvflow.testing.FaultingMemory``: a copy from them stalls inside
+    ``process_vm_readv`` until told ("resolve", value), which fills every page with ``value``.
+    Sends {"error": ...} instead where userfaultfd is not allowed."""
+    from kvflow.testing import FaultingMemory
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-    fd = libc.syscall(_SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK) if _SYS_USERFAULTFD > 0 else -1
-    if fd < 0:
-        conn.send({"error": f"userfaultfd: {os.strerror(ctypes.get_errno())}"})
+    try:
+        mem = FaultingMemory(nbytes)
+    except OSError as exc:
+        conn.send({"error": str(exc)})
         return
-    api = ctypes.create_string_buffer(struct.pack("QQQ", 0xAA, 0, 0), 24)
-    region = mmap.mmap(-1, nbytes)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    reg = ctypes.create_string_buffer(struct.pack("QQQQ", addr, nbytes, 1, 0), 32)  # mode: missing pages
-    if libc.ioctl(fd, _UFFDIO_API, api) != 0 or libc.ioctl(fd, _UFFDIO_REGISTER, reg) != 0:
-        conn.send({"error": f"userfaultfd ioctl: {os.strerror(ctypes.get_errno())}"})
-        return
-    conn.send({"pid": os.getpid(), "addr": addr, "nbytes": nbytes})
+    conn.send({"pid": os.getpid(), "addr": mem.addr, "nbytes": nbytes})
     while conn.poll(60):
         cmd = conn.recv()
         if cmd[0] != "resolve":
             return
-        src = ctypes.create_string_buffer(bytes([cmd[1]]) * nbytes, nbytes)
-        copy = ctypes.create_string_buffer(struct.pack("QQQQq", addr, ctypes.addressof(src), nbytes, 0, 0), 40)
-        conn.send(libc.ioctl(fd, _UFFDIO_COPY, copy))
+        conn.send(mem.resolve(cmd[1]))
