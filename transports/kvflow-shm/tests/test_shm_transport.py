@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import _peer
@@ -262,6 +263,22 @@ def _batch(t: ShmTransport, local_mem: np.ndarray, regions: list[tuple[int, int]
                     np.zeros(len(runs), dtype=np.int64), rt, local, remote)
 
 
+@contextlib.contextmanager
+def _cyclic_garbage() -> Iterator[list[str]]:
+    """The type names of what Python's cyclic collector had to free from what the block left."""
+    gc.collect()
+    flags, before = gc.get_debug(), len(gc.garbage)
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    left: list[str] = []
+    try:
+        yield left
+        gc.collect()
+        left.extend(type(o).__qualname__ for o in gc.garbage[before:])
+    finally:
+        gc.set_debug(flags)
+        del gc.garbage[before:]
+
+
 @pytest.mark.asyncio
 async def test_split_batch_with_a_failing_part() -> None:
     peer = Peer(nbytes=16 << 20)
@@ -303,17 +320,8 @@ async def test_a_large_batch_with_one_run_outside_the_peers_region_moves_nothing
             bad = _batch(t, mem, [(peer.addr, peer.nbytes)], runs)
             with pytest.raises(LLMParamInvalid, match=f"run {n - 1} .* is outside remote cache"):
                 await ep.read(bad)  # first run: starts the copy threads
-            gc.collect()
-            flags, before = gc.get_debug(), len(gc.garbage)
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            try:
-                with pytest.raises(LLMParamInvalid, match="is outside remote cache"):
-                    await ep.read(bad)
-                gc.collect()
-                left = [type(o).__qualname__ for o in gc.garbage[before:]]
-            finally:
-                gc.set_debug(flags)
-                del gc.garbage[before:]
+            with _cyclic_garbage() as left, pytest.raises(LLMParamInvalid, match="is outside remote cache"):
+                await ep.read(bad)
             assert left == []
             assert not mem.any()  # nothing moved, not even the good runs
             assert ch.reports == []  # a refused batch does not break the link
@@ -474,17 +482,9 @@ async def test_a_copy_failed_by_abort_or_close_leaves_no_garbage(how: str) -> No
                 mem[:] = 0
 
             await one()  # starts the copy threads
-            gc.collect()
-            flags, before = gc.get_debug(), len(gc.garbage)
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            try:
+            with _cyclic_garbage() as left:
                 await one()
                 await asyncio.sleep(0.05)
-                gc.collect()
-                left = [type(o).__qualname__ for o in gc.garbage[before:]]
-            finally:
-                gc.set_debug(flags)
-                del gc.garbage[before:]
             assert left == []
             await t.close()
     finally:
