@@ -213,7 +213,7 @@ class LlmDataDist:
         while local is not None and local.closing:
             under_way = local.unregistering
             if under_way is None:
-                return  # being dropped by finalize
+                return  # closing and unregistering are set in one step: no call left to wait for
             # Another call is unregistering it: its success is ours; if it fails the cache stays
             # registered, and this call tries again (returning at once told a caller to free memory
             # that the first call was still waiting to stop using).
