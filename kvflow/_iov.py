@@ -63,30 +63,49 @@ def _raise(op: str) -> None:
     raise OSError(err, f"{op}: {os.strerror(err)}")
 
 
+#: Average run size (bytes) up to which a cursor keeps its run ends in numpy and searches them there:
+#: such runs are many per syscall, and turning 2048 ends into a list of ints cost 60-75 µs on the
+#: loop thread for a 32 KiB frame (one syscall); larger runs take a list (bisect: 0.4 vs 4 µs a search).
+SEARCH_RUN_BYTES = 256
+
+
 class IovCursor:
     """A position in a table of runs (address, length); each syscall takes up to IOV_MAX of them
-    and about ``chunk_bytes``, straight from the table. Same interface as the channel's list cursor."""
+    and about ``chunk_bytes``, straight from the table. Same interface as the channel's list cursor.
+    ``keep`` holds the objects whose memory some of the addresses point into (a frame's header)."""
 
-    __slots__ = ("_addrs", "_base", "_ends", "_hdr", "_iov", "_lens", "_slots", "chunk_bytes", "i", "n", "pos")
+    __slots__ = ("_addrs", "_base", "_ends", "_hdr", "_iov", "_keep", "_lens", "_slots", "chunk_bytes", "i", "n",
+                 "pos")
 
-    def __init__(self, addrs: np.ndarray, lens: np.ndarray, chunk_bytes: int) -> None:
+    def __init__(self, addrs: np.ndarray, lens: np.ndarray, chunk_bytes: int, keep: object = None) -> None:
         n = int(lens.size)
         self._iov = np.empty(2 * n, dtype=np.uint64)  # struct iovec {void *base; size_t len;}[n]
         self._iov[0::2] = addrs
         self._iov[1::2] = lens
         self._slots = self._iov.data  # a memoryview: sets one field without a numpy call
         self._base = int(self._iov.__array_interface__["data"][0])
+        self._keep = keep
         # the runs as given (the table's first iovec of a cut run is rewritten as it is consumed);
         # read only where a run is cut, once per syscall at most
         self._addrs, self._lens = addrs, lens
-        # ends as a list (bisect on a list beats numpy on one value), summed in C: for 2048 runs a
-        # third of the time of tolist() and accumulate(), on the loop thread for every frame
-        self._ends: list[int] = np.cumsum(lens, dtype=np.uint64).tolist()
+        ends = np.cumsum(lens, dtype=np.uint64)
+        self._ends: list[int] | np.ndarray = ends if n and int(ends[-1]) <= n * SEARCH_RUN_BYTES else ends.tolist()
         self._hdr = _MsgHdr()
         self.chunk_bytes = chunk_bytes
         self.n = n
         self.i = 0  # first run not wholly consumed
         self.pos = 0  # bytes consumed
+
+    def _find(self, value: int, right: bool) -> int:
+        """The first run from ``i`` whose end is at least (``right``: past) ``value``."""
+        ends = self._ends
+        if isinstance(ends, list):
+            return (bisect_right if right else bisect_left)(ends, value, self.i)
+        return max(self.i, int(ends.searchsorted(value, "right" if right else "left")))
+
+    def _end(self, k: int) -> int:
+        """Where run ``k`` ends, in bytes from the start; 0 for ``k`` = -1."""
+        return int(self._ends[k]) if k >= 0 else 0
 
     @property
     def done(self) -> bool:
@@ -95,7 +114,7 @@ class IovCursor:
     @property
     def left(self) -> int:
         """Bytes not yet consumed."""
-        return (self._ends[-1] if self._ends else 0) - self.pos
+        return self._end(self.n - 1) - self.pos
 
     @property
     def runs_left(self) -> int:
@@ -105,8 +124,8 @@ class IovCursor:
     def _window(self) -> tuple[int, int]:
         """The end (exclusive) of the runs the next syscall takes, from ``i``, and how many bytes
         the last of them reaches past ``chunk_bytes`` (its iovec is cut short for the call)."""
-        j = min(bisect_left(self._ends, self.pos + self.chunk_bytes, self.i) + 1, self.i + IOV_MAX, self.n)
-        return j, self._ends[j - 1] - self.pos - self.chunk_bytes
+        j = min(self._find(self.pos + self.chunk_bytes, False) + 1, self.i + IOV_MAX, self.n)
+        return j, self._end(j - 1) - self.pos - self.chunk_bytes
 
     def recv(self, sock: socket.socket) -> int:
         """``readv`` into the next runs; 0 means the peer closed; BlockingIOError when nothing waits."""
@@ -136,13 +155,13 @@ class IovCursor:
         self._slots[slot] = full
         if n < 0:
             _raise("sendmsg")
-        return n, self._ends[j - 1] - self.pos - max(over, 0)
+        return n, self._end(j - 1) - self.pos - max(over, 0)
 
     def advance(self, n: int) -> None:
         pos = self.pos = self.pos + n
-        i = self.i = bisect_right(self._ends, pos, self.i)
+        i = self.i = self._find(pos, True)
         if i < self.n:  # run i may be partly done: its iovec starts at the first byte left
-            off = pos - (self._ends[i - 1] if i else 0)
+            off = pos - self._end(i - 1)
             if off:
                 self._slots[2 * i] = int(self._addrs[i]) + off
                 self._slots[2 * i + 1] = int(self._lens[i]) - off

@@ -72,18 +72,23 @@ _ST_HDR, _ST_RUNS, _ST_PAYLOAD, _ST_DISCARD = range(4)
 _OP_BACKLOG, _OP_OUT, _OP_DONE = range(3)
 
 
-def _wire(batch: RunBatch) -> tuple[Payload, bytes | memoryview, int]:
-    """One frame's local side, the wire form of its remote runs ((address, length) uint64 pairs,
-    little-endian) and its payload bytes."""
+def _wire(kind: int, req_id: int, cache_id: int, batch: RunBatch) -> tuple[Payload, bytes | np.ndarray, int]:
+    """One request frame: its local side, its head (the header, then the remote runs as
+    (address, length) uint64 pairs, little-endian, in one buffer) and its payload bytes."""
     n = len(batch)
     if n <= SMALL_RUNS:  # Python ints: cheaper than numpy for a few runs
         la, ra, ln, lt, _ = batch.table.tolist()
+        nbytes = sum(ln)
         pairs = [v for pair in zip(ra, ln) for v in pair]
-        return batch.local_cache.views_small(la, ln, lt), struct.pack(f"<{2 * n}Q", *pairs), sum(ln)
-    table = np.empty(n, dtype=RUN)
+        head = struct.pack(f"<BBHIQQQ{2 * n}Q", kind, 0, 0, n, req_id, cache_id, nbytes, *pairs)
+        return batch.local_cache.views_small(la, ln, lt), head, nbytes
+    nbytes = batch.nbytes
+    buf = np.empty(_HDR_SIZE + n * RUN.itemsize, dtype=np.uint8)
+    HDR.pack_into(buf.data, 0, kind, 0, 0, n, req_id, cache_id, nbytes)
+    table = buf[_HDR_SIZE:].view(RUN)
     table["addr"] = batch.remote_addrs
     table["len"] = batch.lengths
-    return _payload(batch), table.view(np.uint8).data, batch.nbytes
+    return _payload(batch), buf, nbytes
 
 
 def _frames(batch: RunBatch) -> list[RunBatch]:
@@ -198,6 +203,16 @@ def _cursor(payload: Payload) -> _Cursor | IovCursor:
     if isinstance(payload, tuple):
         return IovCursor(payload[0], payload[1], CHUNK_BYTES)
     return _Cursor(payload)
+
+
+def _frame_cursor(bufs: list[Any], runs: tuple[np.ndarray, np.ndarray]) -> IovCursor:
+    """One cursor over a whole frame: its header buffers, then its payload straight from the run
+    table. The frame goes out in as few syscalls as its size allows, from the loop or from a worker
+    thread, with no Python step between header and payload."""
+    heads = [b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8) for b in bufs]
+    addrs = np.concatenate((np.array([h.__array_interface__["data"][0] for h in heads], np.uint64), runs[0]))
+    lens = np.concatenate((np.array([h.size for h in heads], np.uint64), runs[1]))
+    return IovCursor(addrs, lens, CHUNK_BYTES, keep=heads)
 
 
 def _payload(batch: RunBatch) -> Payload:
@@ -318,18 +333,17 @@ class TcpChannel(CacheUser):
         local = batch.local_cache
         nbytes = 0
         for part in parts:
-            payload, table, nbytes = _wire(part)
             req_id = self._next_id
             self._next_id += 1
+            payload, head, nbytes = _wire(kind, req_id, cache_id, part)
             if kind == READ_REQ:
                 op = _Op(READ_REQ, req_id, payload, nbytes, len(part), xfer)
-                out = _Out([HDR.pack(READ_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table], op=op)
+                out = _Out([head], op=op)
             else:
                 op = _Op(WRITE_REQ, req_id, None, nbytes, len(part), xfer)
                 # the frame reads local memory until it is wholly sent, even if the caller gives up
                 # meanwhile: the cache stays pinned (unregister waits for it) until then
-                out = _Out([HDR.pack(WRITE_REQ, 0, 0, len(part), req_id, cache_id, nbytes), table], payload,
-                           op=op, pinned=local)
+                out = _Out([head], payload, op=op, pinned=local)
                 local.pin(self)
             op.out = out
             ops.append(op)
@@ -433,14 +447,18 @@ class TcpChannel(CacheUser):
         while q and budget > 0:
             out = q[0]
             cur = out.cursor
-            if cur is None:  # a small frame (few buffers, at most a chunk) is offered whole, without a cursor
-                left = sum(map(len, out.bufs))  # byte-formatted memoryviews
-                if out.runs is not None or len(out.bufs) > SMALL_FRAME_BUFS or left > CHUNK_BYTES:
-                    cur = out.cursor = _Cursor(out.bufs)
-            else:
+            if cur is not None:
                 left = cur.left
+            elif out.runs is not None:  # a payload from a run table: the header goes with it
+                cur = out.cursor = _frame_cursor(out.bufs, out.runs)
+                out.runs = None
+                left = cur.left
+            else:  # a small frame (few buffers, at most a chunk) is offered whole, without a cursor
+                left = sum(map(len, out.bufs))  # byte-formatted memoryviews
+                if len(out.bufs) > SMALL_FRAME_BUFS or left > CHUNK_BYTES:
+                    cur = out.cursor = _Cursor(out.bufs)
             small = cur is None
-            if out.runs is None and self._workers is not None and (
+            if self._workers is not None and (
                     left >= self._thread_bytes or (cur is not None and cur.runs_left > THREAD_RUNS)):
                 self._start_tx(out, cur or _Cursor(out.bufs))  # a large payload: on a worker thread
                 return
@@ -478,15 +496,11 @@ class TcpChannel(CacheUser):
             self._writer_on = False
 
     def _sent(self, out: _Out) -> None:
-        """The head frame's cursor is done: go on to its payload from the run table, or retire it."""
-        if out.runs is not None:
-            out.cursor = _cursor(out.runs)
-            out.runs = None
-        else:
-            self._sendq.popleft()
-            out.bufs = []
-            out.cursor = None
-            self._dropped(out)
+        """The head frame is wholly sent: retire it."""
+        self._sendq.popleft()
+        out.bufs = []
+        out.cursor = None
+        self._dropped(out)
 
     def _start_tx(self, out: _Out, cur: _Cursor | IovCursor) -> None:
         """Hand the rest of the head frame to a worker thread (kvflow._pump); ``_tx_back`` resumes."""
@@ -917,7 +931,9 @@ class TcpEndpoint(Endpoint):
             for a in range(0, n, SUBMIT_RUNS):
                 if xfers:
                     await asyncio.sleep(0)
-                xfer, more = self._ch.submit(kind, batch[a : a + SUBMIT_RUNS])
+                # the runs' rows, not a copy (each row of the slice is contiguous)
+                part = RunBatch.of_table(batch.table[:, a : a + SUBMIT_RUNS], batch.local_cache, batch.remote_cache)
+                xfer, more = self._ch.submit(kind, part)
                 xfers.append(xfer)
                 ops.extend(more)
             for xfer in xfers:
