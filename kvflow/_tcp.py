@@ -476,9 +476,7 @@ class TcpChannel(CacheUser):
             budget -= n
             if small:
                 if n == want:  # sent whole
-                    q.popleft()
-                    out.bufs = []
-                    self._dropped(out)
+                    self._sent(out)
                     continue
                 cur = out.cursor = _Cursor(out.bufs)
             assert cur is not None
