@@ -346,9 +346,13 @@ class LlmDataDist:
                              dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                              timeout_in_millis: int | None = None) -> None:
         """Copy the peer's ``src_blocks`` into local ``dst_blocks`` (pairwise)."""
-        if ext_param is None and self._initialized and self._engine.blocks_now(
-                PULL, src_cache_index, dst_cache, src_blocks, dst_blocks, timeout_in_millis, False):
-            return
+        if ext_param is None and self._initialized:
+            now = self._engine.blocks_now(PULL, src_cache_index, dst_cache, src_blocks, dst_blocks, timeout_in_millis,
+                                          False)
+            if now is not False:
+                if now is not True:  # begun, not finished at once
+                    await now
+                return
         await self._engine.run(self._pull_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param),
                                timeout_in_millis)
 
@@ -363,9 +367,13 @@ class LlmDataDist:
                              dst_blocks: BlockList, ext_param: KvCacheExtParam | None = None, *,
                              timeout_in_millis: int | None = None) -> None:
         """Copy local ``src_blocks`` into the peer's ``dst_blocks`` (pairwise)."""
-        if ext_param is None and self._initialized and self._engine.blocks_now(
-                PUSH, dst_cache_index, src_cache, src_blocks, dst_blocks, timeout_in_millis, False):
-            return
+        if ext_param is None and self._initialized:
+            now = self._engine.blocks_now(PUSH, dst_cache_index, src_cache, src_blocks, dst_blocks, timeout_in_millis,
+                                          False)
+            if now is not False:
+                if now is not True:  # begun, not finished at once
+                    await now
+                return
         await self._engine.run(self._push_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param),
                                timeout_in_millis)
 

@@ -8,7 +8,7 @@ vanished is forgotten. Small batches that a transport can move on the spot skip 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 from ._checks import MAX_TIMEOUT_MS, check_int
 from ._deadline import Deadline
@@ -21,7 +21,7 @@ from ._metrics import now as metrics_now
 from ._plan import PIECE_RUNS, Plan, Steps, run_steps_async
 from ._status import LLMKvCacheNotExist, LLMTimeoutError
 from ._types import Cache, CacheIndex
-from .transport import RemoteCache, RunBatch
+from .transport import RemoteCache, RunBatch, Started
 
 PULL, PUSH = "pull", "push"
 #: Block lists longer than this never take ``blocks_now`` (each entry's type is checked in Python).
@@ -127,7 +127,7 @@ class TransferEngine:
         link = self._table.links.get(ci.cluster_id)
         try:
             remote = link.remotes.get(ci.cache_id) if link is not None else None
-            batch = plan = None
+            batch = plan = started = None
             if remote is not None:
                 assert link is not None
                 endpoint = link.check()
@@ -135,15 +135,24 @@ class TransferEngine:
                 if plan.whole:
                     batch = plan.batch(local, remote)
                     # no pin/begin needed: nothing (an unregister, a peer's "gone") runs during this call
-                    if endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch):
+                    try:
+                        now = endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch)
+                    except LLMKvCacheNotExist:  # a two-sided peer's answer: it no longer has the cache
+                        link.forget(ci.cache_id)
+                        raise
+                    if now is True:
                         metrics.done(direction, ci.cluster_id, link.transport, batch, metrics_now() - t0, span)
                         return
+                    if now is not False:  # begun, not finished: awaited below with the deadline
+                        started = now.done
             else:
                 steps = precheck()
                 if steps is not None:  # long block lists: checked in slices
                     await run_steps_async(steps)
                 link = self._table.get(ci.cluster_id)
-            moved = await self._move(direction, ci, link, local, remote, batch, plan, planner, timeout)
+            moved = await self._move(direction, ci, link, local, remote, batch, plan, planner, timeout,
+                                     started=started)
+            assert moved is not None
         except BaseException as exc:
             metrics.failed(direction, ci.cluster_id, self._table.links.get(ci.cluster_id), exc, metrics_now() - t0,
                            span)
@@ -173,7 +182,10 @@ class TransferEngine:
                 if link.closing or local.closing or link.remotes.get(ci.cache_id) is not remote:
                     return False
                 endpoint = link.check()
-                if not (endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch)):
+                now = endpoint.read_now(batch) if direction is PULL else endpoint.write_now(batch)
+                if now is not True:
+                    if now is not False:
+                        raise RuntimeError(f"{type(endpoint).__name__} is now_threadsafe but left a batch Started")
                     return False
         except BaseException as exc:
             metrics.failed(direction, ci.cluster_id, link, exc, metrics_now() - t0, None)
@@ -182,7 +194,7 @@ class TransferEngine:
         return True
 
     def blocks_now(self, direction: str, ci: CacheIndex, cache: Cache, src_blocks: Any, dst_blocks: Any,
-                   timeout_in_millis: int | None, threaded: bool) -> bool:
+                   timeout_in_millis: int | None, threaded: bool) -> bool | Coroutine[Any, Any, None]:
         """The native fast path of a block pull or push over every tensor (no ``ext_param``): when the
         link's endpoint offers ``blocks_now``, the peer's cache is known, the lists are short lists
         of plain ints and no trace span is wanted, the endpoint checks, plans and moves the request in
@@ -236,22 +248,49 @@ class TransferEngine:
             else:
                 moved = link.check().blocks_now(direction is PUSH, local, remote, src_blocks, dst_blocks)
         except BaseException as exc:
+            if isinstance(exc, LLMKvCacheNotExist):  # a two-sided peer's answer: it no longer has the cache
+                link.forget(cache_id)
             metrics.failed(direction, peer, link, exc, metrics_now() - t0, None)
             raise
         if moved is None:
             return False
+        if isinstance(moved, Started):
+            if threaded:
+                raise RuntimeError(f"{type(endpoint).__name__} is now_threadsafe but left a batch Started")
+            return self._finish(direction, ci, link, local, remote, moved, t, t0)
         metrics.count(direction, peer, link.transport, moved[0], moved[1], metrics_now() - t0)
         return True
 
+    async def _finish(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache,
+                      started: Started, timeout_in_millis: int | None, t0: float) -> None:
+        """Await a block transfer that ``blocks_now``'s endpoint began, under the transfer's deadline."""
+        try:
+            await self._move(direction, ci, link, local, remote, None, None, None, self.deadline(timeout_in_millis),
+                             started=started.done)
+        except BaseException as exc:
+            self.metrics.failed(direction, ci.cluster_id, link, exc, metrics_now() - t0, None)
+            raise
+        self.metrics.count(direction, ci.cluster_id, link.transport, started.nbytes, started.runs, metrics_now() - t0)
+
     async def _move(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache | None,
                     batch: RunBatch | None, plan: Plan | None, planner: Planner | None, timeout: float,
-                    part: tuple[int, int] | None = None) -> RunBatch | Plan:
+                    part: tuple[int, int] | None = None,
+                    started: Awaitable[None] | None = None) -> RunBatch | Plan | None:
         """Pin, arm the deadline, look the peer's cache up and plan if need be, move, unpin. A plan that
         is still pending is made in slices; one of more than ``PIECE_RUNS`` runs (or its columns
-        ``part``) moves in batches of that many (``_move_pieces``)."""
+        ``part``) moves in batches of that many (``_move_pieces``). ``started``: the batch is already
+        moving (an endpoint's ``Started``); only wait for it."""
         local.pin()
         deadline = Deadline(timeout)
         try:
+            if started is not None:
+                assert remote is not None
+                remote.begin()
+                try:
+                    await started
+                finally:
+                    remote.end()
+                return batch
             if remote is None:
                 remote = await link.remote_cache(ci.cache_id, timeout)
             if batch is None:

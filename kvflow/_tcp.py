@@ -31,8 +31,9 @@ from . import _iov as iov
 from . import _pump as pump
 from ._iov import IovCursor
 from ._memory import SMALL_RUNS, CacheUser, LocalCache, Registry
+from ._plan import plan_blocks
 from ._status import LLMException, LLMLinkFailed, LLMParamInvalid, LLMStatusCode, error_for
-from .transport import Endpoint, LinkChannel, RunBatch, Transport, TransportContext
+from .transport import Endpoint, LinkChannel, RemoteCache, RunBatch, Started, Transport, TransportContext
 
 log = logging.getLogger("kvflow.tcp")
 
@@ -54,6 +55,10 @@ SEND_BUDGET = 4 << 20
 SMALL_FRAME_BUFS = 16  # frames of at most this many buffers are offered to sendmsg whole at first
 POLL_BYTES = 64 << 10  # requests up to this size make the channel busy-poll for the next frame
 DEFAULT_BUSY_POLL_US = 200
+#: How long a small transfer reads for its reply inside the caller's own call (``TcpChannel.now``),
+#: holding the loop meanwhile, before it waits on the loop (``kvflow.tcp.InlinePollUs``; at most
+#: ``BusyPollUs``, the whole polling budget of a small request).
+DEFAULT_INLINE_POLL_US = 100
 #: Payload bytes left in a frame from which a worker thread moves the rest (``kvflow.tcp.ThreadBytes``)
 DEFAULT_THREAD_BYTES = 1 << 20
 DEFAULT_THREADS = 2  # worker threads per LlmDataDist (``kvflow.tcp.Threads``)
@@ -77,11 +82,7 @@ def _wire(kind: int, req_id: int, cache_id: int, batch: RunBatch) -> tuple[Paylo
     (address, length) uint64 pairs, little-endian, in one buffer) and its payload bytes."""
     n = len(batch)
     if n <= SMALL_RUNS:  # Python ints: cheaper than numpy for a few runs
-        la, ra, ln, lt, _ = batch.table.tolist()
-        nbytes = sum(ln)
-        pairs = [v for pair in zip(ra, ln) for v in pair]
-        head = struct.pack(f"<BBHIQQQ{2 * n}Q", kind, 0, 0, n, req_id, cache_id, nbytes, *pairs)
-        return batch.local_cache.views_small(la, ln, lt), head, nbytes
+        return _wire_small(kind, req_id, cache_id, batch.table.tolist(), batch.local_cache)
     nbytes = batch.nbytes
     buf = np.empty(_HDR_SIZE + n * RUN.itemsize, dtype=np.uint8)
     HDR.pack_into(buf.data, 0, kind, 0, 0, n, req_id, cache_id, nbytes)
@@ -89,6 +90,16 @@ def _wire(kind: int, req_id: int, cache_id: int, batch: RunBatch) -> tuple[Paylo
     table["addr"] = batch.remote_addrs
     table["len"] = batch.lengths
     return _payload(batch), buf, nbytes
+
+
+def _wire_small(kind: int, req_id: int, cache_id: int, rows: list[list[int]],
+                local: LocalCache) -> tuple[list[memoryview], bytes, int]:
+    """``_wire`` of a batch of at most SMALL_RUNS runs, its table given as lists of Python ints."""
+    la, ra, ln, lt, _ = rows
+    n, nbytes = len(ln), sum(ln)
+    pairs = [v for pair in zip(ra, ln) for v in pair]
+    head = struct.pack(f"<BBHIQQQ{2 * n}Q", kind, 0, 0, n, req_id, cache_id, nbytes, *pairs)
+    return local.views_small(la, ln, lt), head, nbytes
 
 
 def _frames(batch: RunBatch) -> list[RunBatch]:
@@ -277,8 +288,9 @@ class TcpChannel(CacheUser):
     def __init__(self, sock: socket.socket, registry: Registry,
                  on_broken: Callable[[BaseException], None], busy_poll: float = 0.0,
                  workers: Callable[[], pump.Pool] | None = None,
-                 thread_bytes: int = DEFAULT_THREAD_BYTES) -> None:
+                 thread_bytes: int = DEFAULT_THREAD_BYTES, inline_poll: float = 0.0) -> None:
         self._loop = asyncio.get_running_loop()
+        self._inline_poll = inline_poll  # seconds ``now`` reads for a small reply itself
         self._workers = workers  # large payloads go to these threads (kvflow._pump); None: all on the loop
         self._thread_bytes = thread_bytes
         self._rx_job: pump.Job | None = None  # the payload a worker thread is reading, if any
@@ -321,6 +333,14 @@ class TcpChannel(CacheUser):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._loop.add_reader(self._fd, self._on_readable)
 
+    @property
+    def idle(self) -> bool:
+        """``now`` may take a request: it has a poll window, nothing of ours or the peer's is in
+        flight, and the reader waits for a frame's first byte."""
+        return self._inline_poll > 0.0 and not (
+            self._pending or self._sendq or self._backlog or self._closed is not None or self._state != _ST_HDR
+            or self._got or self._rx_job is not None)
+
     # ---------------------------------------------------------------- requests of ours
     def submit(self, kind: int, batch: RunBatch) -> tuple[_Transfer, list[_Op]]:
         """Queue the frames of one read (kind READ_REQ) or write (WRITE_REQ)."""
@@ -336,22 +356,65 @@ class TcpChannel(CacheUser):
             req_id = self._next_id
             self._next_id += 1
             payload, head, nbytes = _wire(kind, req_id, cache_id, part)
-            if kind == READ_REQ:
-                op = _Op(READ_REQ, req_id, payload, nbytes, len(part), xfer)
-                out = _Out([head], op=op)
-            else:
-                op = _Op(WRITE_REQ, req_id, None, nbytes, len(part), xfer)
-                # the frame reads local memory until it is wholly sent, even if the caller gives up
-                # meanwhile: the cache stays pinned (unregister waits for it) until then
-                out = _Out([head], payload, op=op, pinned=local)
-                local.pin(self)
-            op.out = out
-            ops.append(op)
-            self._backlog.append(op)
+            ops.append(self._queue(kind, req_id, payload, head, nbytes, len(part), xfer, local))
         self._admit()
         if len(parts) == 1 and nbytes <= POLL_BYTES:
             self._expect_soon()
         return xfer, ops
+
+    def _queue(self, kind: int, req_id: int, payload: Payload, head: bytes | np.ndarray, nbytes: int, runs: int,
+               xfer: _Transfer, local: LocalCache) -> _Op:
+        """One request frame of ours into the backlog (``_admit`` sends it when the bounds allow)."""
+        if kind == READ_REQ:
+            op = _Op(READ_REQ, req_id, payload, nbytes, runs, xfer)
+            out = _Out([head], op=op)
+        else:
+            op = _Op(WRITE_REQ, req_id, None, nbytes, runs, xfer)
+            # the frame reads local memory until it is wholly sent, even if the caller gives up
+            # meanwhile: the cache stays pinned (unregister waits for it) until then
+            out = _Out([head], payload, op=op, pinned=local)
+            local.pin(self)
+        op.out = out
+        self._backlog.append(op)
+        return op
+
+    def now(self, kind: int, batch: RunBatch) -> tuple[int, int] | Started | None:
+        """A small request answered on the spot: sent, then its reply read from this very call for up
+        to ``inline_poll`` seconds, with no future to wake and no loop turn (the peer's requests that
+        come in meanwhile are served as the reader would). Returns (bytes, runs) once it is done
+        (raises its typed error if it failed); ``Started`` when the reply is late (the loop then
+        polls on for ``busy_poll``, as for any small request); None, with nothing sent, unless the
+        channel is idle and the batch is at most SMALL_RUNS runs and POLL_BYTES bytes."""
+        n = len(batch)
+        if n > SMALL_RUNS or not self.idle:
+            return None
+        rows = batch.table.tolist()
+        if sum(rows[2]) > POLL_BYTES:
+            return None
+        local = batch.local_cache
+        req_id = self._next_id
+        self._next_id += 1
+        payload, head, nbytes = _wire_small(kind, req_id, batch.remote_cache.cache_id, rows, local)
+        xfer = _Transfer(self._loop.create_future(), 1)
+        op = self._queue(kind, req_id, payload, head, nbytes, n, xfer, local)
+        self._admit()
+        fut, read, clock = xfer.fut, self._on_readable, time.perf_counter
+        until = clock() + self._inline_poll
+        while not fut.done():
+            if clock() > until:
+                self._expect_soon()
+                return Started(self.wait(xfer, [op]), nbytes, n)
+            read()
+        fut.result()  # its typed error, if the peer refused it or the link broke
+        return nbytes, n
+
+    async def wait(self, xfer: _Transfer, ops: list[_Op]) -> None:
+        """Wait for ``xfer``; a caller that gives up abandons ``ops`` (no late byte lands)."""
+        try:
+            await xfer.fut
+        except BaseException:
+            self.abandon(ops)
+            raise
 
     def _admit(self) -> None:
         """Move requests from the backlog to the send queue while the outstanding bounds allow."""
@@ -914,12 +977,7 @@ class TcpEndpoint(Endpoint):
     async def _run(self, kind: int, batch: RunBatch) -> None:
         n = len(batch)
         if n <= SUBMIT_RUNS:
-            xfer, ops = self._ch.submit(kind, batch)
-            try:
-                await xfer.fut
-            except BaseException:
-                self._ch.abandon(ops)
-                raise
+            await self._ch.wait(*self._ch.submit(kind, batch))
             return
         # Framing costs about 0.1 ms per frame of runs on this thread: a long batch is submitted a
         # few frames at a time, with the loop free in between (the first frames are moving already).
@@ -946,6 +1004,34 @@ class TcpEndpoint(Endpoint):
     async def write(self, batch: RunBatch) -> None:
         await self._run(WRITE_REQ, batch)
 
+    def read_now(self, batch: RunBatch) -> bool | Started:
+        moved = self._ch.now(READ_REQ, batch)
+        return moved if isinstance(moved, Started) else moved is not None
+
+    def write_now(self, batch: RunBatch) -> bool | Started:
+        moved = self._ch.now(WRITE_REQ, batch)
+        return moved if isinstance(moved, Started) else moved is not None
+
+    def blocks_now(self, write: bool, local: LocalCache, remote: RemoteCache, src_blocks: list[int] | tuple[int, ...],
+                   dst_blocks: list[int] | tuple[int, ...]) -> tuple[int, int] | Started | None:
+        """A small block transfer planned by the core's planner and sent through ``TcpChannel.now``,
+        without the request objects of ``read_now``'s path; bad input is declined (the core then
+        raises its typed error)."""
+        if not self._ch.idle or len(src_blocks) * local.desc.stride * local.desc.num_tensors > POLL_BYTES:
+            return None
+        try:
+            if write:
+                plan = plan_blocks(local.desc, local.addrs, remote.desc, remote.addrs, src_blocks, dst_blocks, None,
+                                   True)
+            else:
+                plan = plan_blocks(remote.desc, remote.addrs, local.desc, local.addrs, src_blocks, dst_blocks, None,
+                                   False)
+        except LLMException:
+            return None
+        if not plan.whole:
+            return None
+        return self._ch.now(WRITE_REQ if write else READ_REQ, plan.batch(local, remote))
+
     def abort(self, exc: BaseException) -> None:
         self._ch._fail(exc)  # in-flight operations fail with ``exc``; the link is told (once) it is broken
 
@@ -964,6 +1050,9 @@ class TcpTransport(Transport):
         #: 0 moves every payload on the loop thread
         self.thread_bytes = ctx.int_option("kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0)
         self.threads = ctx.int_option("kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
+        #: 0: a small transfer always waits for its reply on the loop
+        self.inline_poll = min(self.busy_poll,
+                               ctx.int_option("kvflow.tcp.InlinePollUs", DEFAULT_INLINE_POLL_US, 0, 100_000) / 1e6)
         self._pool: pump.Pool | None = None
 
     def _executor(self) -> pump.Pool:
@@ -975,7 +1064,7 @@ class TcpTransport(Transport):
         sock = await channel.open_stream()
         workers = self._executor if self.thread_bytes else None
         return TcpEndpoint(TcpChannel(sock, self.ctx.registry, channel.broken, self.busy_poll, workers,
-                                      self.thread_bytes))
+                                      self.thread_bytes, self.inline_poll))
 
     async def close(self) -> None:
         if self._pool is not None:  # every channel has stopped its jobs by now (teardown)

@@ -201,7 +201,9 @@ class LlmDataDist:
         err = _in_running_loop(what)
         if err is not None:
             raise err
-        return self._dd._engine.blocks_now(direction, ci, cache, src_blocks, dst_blocks, timeout_in_millis, True)
+        moved = self._dd._engine.blocks_now(direction, ci, cache, src_blocks, dst_blocks, timeout_in_millis, True)
+        assert isinstance(moved, bool)  # on a caller's thread nothing is left Started (TransferEngine.blocks_now)
+        return moved
 
     def _submit(self, what: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
                 **kwargs: Any) -> concurrent.futures.Future[T]:

@@ -49,7 +49,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, ClassVar, Mapping
 
 import numpy as np
 
@@ -90,6 +90,7 @@ __all__ = [
     "RemoteCache",
     "RemoteRegion",
     "RunBatch",
+    "Started",
     "Transport",
     "TransportContext",
     "error_for",
@@ -106,6 +107,19 @@ class RemoteRegion:
     addr: int
     nbytes: int
     desc: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Started:
+    """What ``read_now`` / ``write_now`` / ``blocks_now`` return for a batch they began on the spot
+    but could not finish there (a two-sided transport whose peer had not answered within its poll):
+    the core awaits ``done`` as it would ``read``, under the transfer's deadline and with the same
+    rules on cancellation. ``nbytes`` and ``runs`` are what ``blocks_now`` moves (for ``stats()``).
+    Only endpoints whose ``now_threadsafe`` is False may return one."""
+
+    done: Awaitable[None]
+    nbytes: int = 0
+    runs: int = 0
 
 
 @dataclass
@@ -279,18 +293,19 @@ class Endpoint(abc.ABC):
     async def write(self, batch: RunBatch) -> None:
         """Copy each local run into its remote run."""
 
-    def read_now(self, batch: RunBatch) -> bool:
+    def read_now(self, batch: RunBatch) -> bool | Started:
         """Optional fast path: do ``read(batch)`` on the calling thread and return True, or move
-        nothing and return False (then the core awaits ``read``). Only for batches that finish in
-        microseconds whatever the peer does: the core sets no deadline around this call."""
+        nothing and return False (then the core awaits ``read``). The call itself must end within
+        microseconds whatever the peer does: the core sets no deadline around it. A batch begun
+        here that the peer has not finished by then is returned as a :class:`Started`."""
         return False
 
-    def write_now(self, batch: RunBatch) -> bool:
+    def write_now(self, batch: RunBatch) -> bool | Started:
         """``read_now`` for ``write``."""
         return False
 
     def blocks_now(self, write: bool, local: LocalCache, remote: RemoteCache, src_blocks: list[int] | tuple[int, ...],
-                   dst_blocks: list[int] | tuple[int, ...]) -> tuple[int, int] | None:
+                   dst_blocks: list[int] | tuple[int, ...]) -> tuple[int, int] | Started | None:
         """Optional fastest path of a block transfer over every tensor (no ``ext_param``): check, plan
         and move it on the calling thread at once, and return (bytes moved, runs); or move nothing
         and return None, and the core plans in Python and calls ``read_now`` / ``read``. ``write``:
@@ -298,7 +313,7 @@ class Endpoint(abc.ABC):
         their types, nothing else): every other check is the transport's, and any request it does
         not take, bad input included, is declined: the core's planner then raises the typed error.
         The planning rules must be the core's (``kvflow._plan.plan_blocks``). Same threading and
-        size rules as ``read_now``."""
+        size rules as ``read_now``, :class:`Started` included."""
         return None
 
     def peer_exited(self) -> bool:

@@ -15,7 +15,7 @@ from kvflow import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmData
 from kvflow._deadline import Deadline
 from kvflow._memory import LocalCache, Registry
 from kvflow.testing import inspect
-from kvflow.transport import Endpoint, RemoteCache, RunBatch
+from kvflow.transport import Endpoint, RemoteCache, RunBatch, Started
 
 from .conftest import LOCAL_CLUSTER, PEER_CLUSTER, Peer, start_peer
 
@@ -129,7 +129,8 @@ def _channel(dd: LlmDataDist) -> Any:
 
 @pytest.mark.asyncio
 async def test_tcp_integer_options_are_checked() -> None:
-    for key, bad in (("BusyPollUs", "x"), ("BusyPollUs", "-1"), ("BusyPollUs", "100001"), ("ThreadBytes", "-1"),
+    for key, bad in (("BusyPollUs", "x"), ("BusyPollUs", "-1"), ("BusyPollUs", "100001"), ("InlinePollUs", "-1"),
+                     ("InlinePollUs", "100001"), ("ThreadBytes", "-1"),
                      ("ThreadBytes", "1.5"), ("Threads", "0"), ("Threads", "65")):
         dd = LlmDataDist(3, LlmRole.DECODER)
         with pytest.raises(LLMParamInvalid, match=rf"kvflow\.tcp\.{key}"):
@@ -144,7 +145,8 @@ async def test_busy_poll_is_bounded_and_can_be_off(tcp_peer: Peer, poll_us: str)
     desc = CacheDesc(1, DataType.DT_UINT8, [16, 4096])
     rid = await tcp_peer.register(desc, seed=5)
     want = (await tcp_peer.read(rid))[0].reshape(16, 4096)
-    dd = await _linked(tcp_peer, **{"kvflow.tcp.BusyPollUs": poll_us})
+    # InlinePollUs=0: every reply is waited for on the loop, so that the loop's polling is what runs
+    dd = await _linked(tcp_peer, **{"kvflow.tcp.BusyPollUs": poll_us, "kvflow.tcp.InlinePollUs": "0"})
     try:
         buf = np.zeros(16 * 4096, np.uint8)
         cache = await dd.register_kv_cache(desc, [buf])
@@ -168,6 +170,68 @@ async def test_busy_poll_is_bounded_and_can_be_off(tcp_peer: Peer, poll_us: str)
         assert time.process_time() - cpu0 < 0.1  # idle: the loop sleeps again
     finally:
         await dd.finalize()
+
+
+async def _inline_results(peer: Peer, options: dict[str, str], push: bool) -> list[Any]:
+    """50 one-block pulls (or pushes) over tcp with ``options``: what ``TcpChannel.now`` returned for
+    each (checking every block's bytes on the way)."""
+    desc = CacheDesc(1, DataType.DT_UINT8, [16, 4096])
+    rid = await peer.register(desc, seed=7)
+    want = (await peer.read(rid))[0].reshape(16, 4096)
+    dd = await _linked(peer, **options)
+    try:
+        buf = np.random.default_rng(3).integers(0, 256, 16 * 4096, dtype=np.uint8)
+        cache = await dd.register_kv_cache(desc, [buf])
+        ci = CacheIndex(PEER_CLUSTER, rid)
+        await dd.pull_kv_blocks(ci, cache, [0], [0])  # learns the peer's cache
+        ch = _channel(dd)
+        results: list[Any] = []
+        now = ch.now
+
+        def recorded(kind: int, batch: RunBatch) -> Any:
+            results.append(now(kind, batch))
+            return results[-1]
+
+        ch.now = recorded
+        for i in range(50):
+            if push:
+                await dd.push_kv_blocks(cache, ci, [i % 16], [(i * 3) % 16])
+                got = (await peer.read(rid))[0].reshape(16, 4096)[(i * 3) % 16]
+                assert np.array_equal(got, buf.reshape(16, 4096)[i % 16]), i
+            else:
+                await dd.pull_kv_blocks(ci, cache, [i % 16], [(i * 3) % 16])
+                assert np.array_equal(buf.reshape(16, 4096)[(i * 3) % 16], want[i % 16]), i
+        ops = dd.stats()["ops"]  # every transfer counted, whichever way it finished
+        assert ops["push" if push else "pull"]["bytes"] == 4096 * (50 if push else 51), ops
+        return results
+    finally:
+        await dd.finalize()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+async def test_tcp_small_transfer_is_answered_inside_the_call(tcp_peer: Peer, push: bool) -> None:
+    """With a poll window of a millisecond, small transfers read their reply inside the caller's call
+    (``now`` returns bytes and runs; no future, no loop turn): at least one of 50 does on a busy host."""
+    results = await _inline_results(tcp_peer, {"kvflow.tcp.BusyPollUs": "1000", "kvflow.tcp.InlinePollUs": "1000"},
+                                    push)
+    assert len(results) == 50 and any(r == (4096, 1) for r in results), results
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+async def test_tcp_small_transfer_whose_reply_is_late_finishes_on_the_loop(tcp_peer: Peer, push: bool) -> None:
+    """A 1 µs inline window: the reply comes later, ``now`` hands the transfer back begun
+    (``Started``), and the core awaits it under the deadline; every block's bytes are exact."""
+    results = await _inline_results(tcp_peer, {"kvflow.tcp.InlinePollUs": "1"}, push)
+    assert len(results) == 50 and any(isinstance(r, Started) for r in results), results
+
+
+@pytest.mark.asyncio
+async def test_tcp_inline_reads_are_off_without_a_poll_budget(tcp_peer: Peer) -> None:
+    """BusyPollUs=0 bounds the inline window too: nothing polls, ``now`` declines every time."""
+    results = await _inline_results(tcp_peer, {"kvflow.tcp.BusyPollUs": "0"}, False)
+    assert results == [None] * 50
 
 
 @pytest.mark.asyncio
