@@ -5,7 +5,7 @@ Block ``b`` of tensor ``t`` starts at ``addrs[t] + b * stride``. Layer ``l`` is 
 every index and size is checked here, before a byte moves.
 
 Large requests never hold the caller's event loop for long (issue 13): planning is written as
-*steps*, a generator that yields between pieces of at most about 0.2 ms of work (block lists are
+*steps*, a generator that yields between pieces of at most about 0.1 ms of work (block lists are
 converted ``STEP`` entries at a time) and may yield a ``(function, argument)`` pair for work that
 releases the GIL (a sort), which the event loop's driver runs on a worker thread. A plan of more
 than ``PIECE_RUNS`` runs is kept compact (one address per tensor, one offset per run) and turned
@@ -117,9 +117,9 @@ def block_list(blocks: Any, num_blocks: int, what: str) -> np.ndarray:
     return arr
 
 
-#: Entries of a Python block list converted, or blocks handled, per step (about 0.1-0.2 ms; the whole of
-#: a 100k-entry list took 2-4 ms).
-STEP = 4096
+#: Entries of a Python block list converted, or blocks handled, per step (about 0.1 ms; 4096 took 0.24 ms,
+#: the whole of a 100k-entry list 2-4 ms).
+STEP = 2048
 #: Block lists of pulls and pushes longer than this are checked and planned in steps that the event loop
 #: interleaves with its other work (at 2048, a 2048-block shm pull's longest callback measured 0.46-0.62
 #: ms of CPU against 0.27-0.37 ms at 1024: docs/benchmarks.md).
@@ -127,8 +127,9 @@ DEFER_BLOCKS = 1024
 #: ``transfer_cache_async`` checks block lists of up to this many entries in the call itself; longer
 #: ones are checked by its task, in steps (docs/layerwise.md).
 CALL_CHECK_BLOCKS = 2048
-#: A plan of more runs than this is kept compact and moved in batches of at most this many runs.
-PIECE_RUNS = 16384
+#: A plan of more runs than this is kept compact and moved in batches of at most this many runs (at 16384
+#: the step that makes and hands over a batch took up to 0.8-1 ms of the loop: docs/decisions.md).
+PIECE_RUNS = 8192
 
 #: What planning steps yield: None (a point where the loop may run other callbacks), or a function and
 #: its argument to run where the GIL is not needed (the driver runs it on a worker thread).
@@ -151,12 +152,14 @@ SLICE_S = 250e-6
 
 
 async def run_steps_async(steps: Steps) -> Any:
-    """Drive planning steps on the running event loop: other callbacks run between slices of about
-    ``SLICE_S``, and work that releases the GIL runs on the loop's default executor; their result,
-    returned in a callback of its own, so that what the caller does next does not lengthen the last
-    slice."""
+    """Drive planning steps on the running event loop: other callbacks run between slices of at most
+    about ``SLICE_S`` (a slice ends before a step that would take it past that, if the step costs what
+    the one before it did), and work that releases the GIL runs on the loop's default executor; their
+    result, returned in a callback of its own, so that what the caller does next does not lengthen the
+    last slice."""
     loop = asyncio.get_running_loop()
     t = time.perf_counter()
+    last = 0.0  # how long the last step took: the next is taken to cost as much
     try:
         item = next(steps)
         while True:
@@ -164,10 +167,12 @@ async def run_steps_async(steps: Steps) -> Any:
             if item is not None:
                 result = await loop.run_in_executor(None, item[0], item[1])
                 t = time.perf_counter()
-            elif time.perf_counter() - t > SLICE_S:
+            elif time.perf_counter() - t + last > SLICE_S:  # the next step would end the slice past SLICE_S
                 await asyncio.sleep(0)
                 t = time.perf_counter()
+            s = time.perf_counter()
             item = steps.send(result)
+            last = time.perf_counter() - s
     except StopIteration as stop:
         value = stop.value
     await asyncio.sleep(0)
@@ -237,13 +242,19 @@ def coalesce_steps(src: np.ndarray, dst: np.ndarray) -> Steps:
     n, ch = src.size, STEP
     if n <= ch:
         return coalesce(src, dst)
-    parts = [np.zeros(1, dtype=np.int64)]
+    # Filled part by part rather than concatenated at the end: the pages of a fresh array are
+    # touched (faulted in) a step at a time; one concatenation of 100k starts took 0.6-1.2 ms.
+    starts = np.empty(n, dtype=np.int64)
+    starts[0] = 0
+    k = 1
     for i in range(1, n, ch):  # pairs i..j-1 that do not continue the pair before them
         j = min(n, i + ch)
         yield None
-        parts.append(np.flatnonzero((src[i:j] - src[i - 1:j - 1] != 1) | (dst[i:j] - dst[i - 1:j - 1] != 1)) + i)
-    yield None
-    starts = np.concatenate(parts)
+        brk = np.flatnonzero((src[i:j] - src[i - 1:j - 1] != 1) | (dst[i:j] - dst[i - 1:j - 1] != 1))
+        brk += i
+        starts[k:k + brk.size] = brk
+        k += brk.size
+    starts = starts[:k]
     yield None
     s0, d0, cnt = np.empty_like(starts), np.empty_like(starts), np.empty_like(starts)
     ends = np.append(starts[1:], n) if starts.size <= ch else None
