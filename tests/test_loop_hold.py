@@ -5,7 +5,7 @@ in CPU time of the loop thread (``time.thread_time``), not wall time: a callback
 2-core machine preempts does not count as longer. During the transfer the loop runs nothing but
 kvflow's callbacks. Issue 13's target is at most 1 ms per callback at any request size, on shm
 and tcp, up to 100k scattered blocks over 64 tensors (a plan of 6.4M runs, made in slices and moved
-in batches of 16k runs), and for a layer-wise push of 100k blocks (the call's checks of long block
+in batches of ``PIECE_RUNS``, 8192 runs), and for a layer-wise push of 100k blocks (the call's checks of long block
 lists run in slices as its task starts). tcp meets it because large payloads (at least
 ``kvflow.tcp.ThreadBytes``, or more than 256 runs) are read and written by worker threads and long batches
 are framed a frame per loop step (``kvflow._pump``, ``TcpEndpoint._run``); shm because block lists of more
@@ -13,8 +13,14 @@ than ``DEFER_BLOCKS`` entries are checked and planned in slices, and a plan made
 the transport in a callback of its own. A callback's CPU time includes any pass of Python's cyclic
 garbage collector that it happens to trigger. kvflow leaves no cyclic garbage
 (tests/test_gc_garbage.py), but a full pass over this pytest process's heap costs 20-60 ms wherever
-it lands; so the heap is frozen before the measured runs, as docs/deployment.md advises hosts, and
-each case takes its least disturbed run (of up to ``TRIES``).
+it lands; so the heap is frozen before the measured runs, as docs/deployment.md advises hosts.
+
+Each callback is counted under its kind: the callback's function, or for a task's step the chain of
+coroutines the task was suspended in. A transfer runs tens of thousands of callbacks, and on a shared
+2-core VM the host now and then stalls the loop thread for a millisecond or more inside one of them
+(thread CPU time includes it). Such a stall lands on a kind at random; a kvflow callback that holds the
+loop too long does so in every run. So a case repeats its transfer (up to ``TRIES`` times) and
+fails when some kind's longest callback is over the limit in every run that kind appeared in.
 """
 
 from __future__ import annotations
@@ -44,18 +50,19 @@ from kvflow import (
 from .conftest import LOCAL_CLUSTER, PEER_CLUSTER, Peer, start_peer
 
 LIMIT_S = 1e-3
-#: Transfers measured at most per case; the least disturbed one counts. In a full suite run on a busy
-#: host a whole run of five transfers of the 6.4M-run tcp pull measured 2.2-9.2 ms (2026-12-03), while the
-#: same case alone measured under 1 ms twice: ten tries ride out such a spell, and a callback that
-#: steadily holds the loop longer still fails.
+#: Transfers measured at most per case. A 6.4M-run tcp pull runs 20-30k callbacks; in one CI run
+#: (2026-12-03) each of ten such transfers had one callback of some kind at 1.2-24 ms, while their kinds'
+#: typical longest on a quiet host is 0.2-0.7 ms: a stall of the host's lands on one kind, not on all.
 TRIES = 10
 
 
 class LoopWatch:
-    """The CPU time of each callback that ``asyncio``'s event loops run on this thread while active."""
+    """The CPU time of each callback that ``asyncio``'s event loops run on this thread while active,
+    the longest of each kind."""
 
     def __init__(self) -> None:
         self.cpu: list[float] = []
+        self.kinds: dict[str, float] = {}
         self.active = False
         #: The test's own task: its steps (resuming once the transfer is done, starting the next) are
         #: the test's work, not kvflow's, and are not counted.
@@ -63,6 +70,7 @@ class LoopWatch:
 
     def __enter__(self) -> LoopWatch:
         self.cpu.clear()
+        self.kinds = {}
         self.own = asyncio.current_task()
         self.active = True
         return self
@@ -70,9 +78,32 @@ class LoopWatch:
     def __exit__(self, *exc: object) -> None:
         self.active = False
 
-    @property
-    def longest(self) -> float:
-        return max(self.cpu, default=0.0)
+    def add(self, kind: str, cpu: float) -> None:
+        self.cpu.append(cpu)
+        if cpu > self.kinds.get(kind, -1.0):
+            self.kinds[kind] = cpu
+
+
+def over_limit(runs: list[dict[str, float]]) -> dict[str, list[float]]:
+    """The kinds whose longest callback is over ``LIMIT_S`` in every run they appeared in: each with its
+    longest per run, in ms."""
+    kinds = {kind for run in runs for kind in run}
+    per_kind = {kind: [run[kind] for run in runs if kind in run] for kind in kinds}
+    return {kind: [round(c * 1e3, 2) for c in cpu] for kind, cpu in per_kind.items() if min(cpu) > LIMIT_S}
+
+
+def kind_of(callback: Any) -> str:
+    """What a callback runs: a function's qualified name, or for a task's step (``__self__`` is the
+    task) the coroutines it is suspended in, outermost first."""
+    owner = getattr(callback, "__self__", None)
+    if owner is None or not hasattr(owner, "get_coro"):
+        return str(getattr(callback, "__qualname__", type(callback).__name__))
+    names = []
+    coro = owner.get_coro()
+    while coro is not None and hasattr(coro, "cr_await"):
+        names.append(coro.__qualname__)
+        coro = coro.cr_await
+    return " > ".join(names)
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +113,18 @@ def watch() -> Iterator[LoopWatch]:
     orig = asyncio.Handle._run
 
     def timed(handle: asyncio.Handle) -> None:
-        if not w.active or getattr(handle._callback, "__self__", None) is w.own:  # type: ignore[attr-defined]
+        callback = handle._callback  # type: ignore[attr-defined]
+        if not w.active or getattr(callback, "__self__", None) is w.own:
             orig(handle)
             return
+        kind = kind_of(callback)  # before the clock starts: the test's bookkeeping is not counted
         t0 = time.thread_time()
         try:
             orig(handle)
         finally:
-            w.cpu.append(time.thread_time() - t0)
+            w.add(kind, time.thread_time() - t0)
 
-    asyncio.Handle._run = timed  # type: ignore[method-assign]
+    asyncio.Handle._run = timed  # type: ignore[method-assign,assignment]
     try:
         yield w
     finally:
@@ -165,22 +198,51 @@ async def test_no_kvflow_callback_holds_the_loop_over_1ms_cpu_during_a_large_tra
             await dd.push_kv_blocks(cache, ci, ident, perm, timeout_in_millis=120_000)
 
     await once()  # the first transfer also looks the peer's cache up and starts worker threads
-    longest = []
+    runs: list[dict[str, float]] = []  # per run: each kind's longest callback
     gc.collect()
     gc.freeze()
     try:
         for _ in range(TRIES):
             with watch:  # as a task of its own: its first step is a callback that starts inside the watch
                 await asyncio.create_task(once())
-            longest.append(watch.longest)
             assert len(watch.cpu) > 0
-            if watch.longest <= LIMIT_S:
-                break  # the verdict of the best of TRIES is settled
+            runs.append(watch.kinds)
+            if not over_limit(runs):
+                break  # no kind is over the limit in its least disturbed run: the verdict is settled
     finally:
         gc.unfreeze()
     remote = await peer.read(rid)
     for t in range(tensors):  # the transfers really moved every byte
         got, want = local[t].reshape(nblocks, -1), remote[t].reshape(nblocks, -1)
         assert np.array_equal(got[ident], want[perm]) if op == "pull" else np.array_equal(want[perm], got[ident])
-    best = min(longest)  # the steady state: one run's longest callback, in the least disturbed run
-    assert best <= LIMIT_S, f"a kvflow callback held the loop for {best * 1e3:.2f} ms of CPU ({longest})"
+    over = over_limit(runs)
+    assert not over, f"kvflow callbacks over {LIMIT_S * 1e3:g} ms of CPU in every run (ms per run): {over}"
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _short() -> None:
+    _spin(20e-6)
+
+
+@pytest.mark.asyncio
+async def test_the_watch_flags_a_kind_of_callback_over_the_limit_in_every_run(watch: LoopWatch) -> None:
+    """The verdict's own check: among hundreds of short callbacks, one that spins 1.5 ms of CPU in each
+    run is reported with its kind, and the short ones are not."""
+    loop = asyncio.get_running_loop()
+    runs = []
+    for _ in range(3):
+        with watch:
+            for i in range(300):
+                loop.call_soon(_short)
+                if i == 150:
+                    loop.call_soon(_spin, 1.5e-3)
+            await asyncio.sleep(0.01)
+        runs.append(watch.kinds)
+    over = over_limit(runs)
+    assert list(over) == ["_spin"], over
+    assert all(cpu >= 1.5 for cpu in over["_spin"])
