@@ -1019,13 +1019,9 @@ class TcpEndpoint(Endpoint):
         raises its typed error)."""
         if not self._ch.idle or len(src_blocks) * local.desc.stride * local.desc.num_tensors > POLL_BYTES:
             return None
+        src, dst = (local, remote) if write else (remote, local)
         try:
-            if write:
-                plan = plan_blocks(local.desc, local.addrs, remote.desc, remote.addrs, src_blocks, dst_blocks, None,
-                                   True)
-            else:
-                plan = plan_blocks(remote.desc, remote.addrs, local.desc, local.addrs, src_blocks, dst_blocks, None,
-                                   False)
+            plan = plan_blocks(src.desc, src.addrs, dst.desc, dst.addrs, src_blocks, dst_blocks, None, write)
         except LLMException:
             return None
         if not plan.whole:
