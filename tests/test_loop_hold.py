@@ -51,7 +51,7 @@ from kvflow import (
 from .conftest import LOCAL_CLUSTER, PEER_CLUSTER, Peer, start_peer
 
 LIMIT_S = 1e-3
-#: Transfers measured at most per case. A 6.4M-run tcp pull runs 20-30k callbacks; in one CI run
+#: Transfers measured at most per case. A 6.4M-run tcp pull runs 26-40k callbacks; in one CI run
 #: (2026-12-03) each of ten such transfers had one callback of some kind at 1.2-24 ms, while their kinds'
 #: typical longest on a quiet host is 0.2-0.7 ms: a stall of the host's lands on one kind, not on all.
 TRIES = 10
