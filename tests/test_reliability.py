@@ -627,6 +627,7 @@ async def test_a_second_unregister_of_the_same_cache_returns_only_with_the_first
 async def test_unregister_deadline_cuts_a_stalled_peer_read(cleanup: list[Any]) -> None:
     dd, peer, proxy, _g, cache, pull = await stalled_peer_read(cleanup, 31)
     local = inspect.local_cache(dd, cache.cache_id)
+    assert local.inflight == 1, "the proxy's buffers must not hold the whole answer"
     t0 = time.monotonic()
     await dd.unregister_kv_cache(cache.cache_id, timeout_in_millis=300)
     assert time.monotonic() - t0 < 1.0

@@ -16,7 +16,10 @@ connection first and its data connection second, so for a single link index 0 is
 control and index 1 is data (``proxy.connections[i].index``).
 
 The proxy holds at most one chunk (``chunk`` bytes) per direction per connection: while it
-stalls it stops reading, so the sender's socket buffers fill and TCP pushes back. A close
+stalls it stops reading, so the sender's socket buffers fill and TCP pushes back. Its own
+sockets' receive buffers are fixed at ``rcvbuf`` bytes (the kernel doubles the figure), so
+what a stalled direction absorbs stays bounded: loopback's autotuning would otherwise grow
+them to ``net.ipv4.tcp_rmem``'s maximum (32 MiB here) and swallow a whole transfer. A close
 (FIN) that reaches a stalled direction is held too, as a cut cable would: a stalled peer that
 gives up on the link is noticed by heartbeats, not by its close.
 Connections are bounded by ``max_connections``; beyond that new ones are refused.
@@ -137,8 +140,9 @@ class FaultProxy:
     Use as ``async with FaultProxy(target) as proxy`` (or ``await start()`` / ``await close()``)."""
 
     def __init__(self, target: tuple[str, int], *, host: str = "127.0.0.1", chunk: int = 64 << 10,
-                 max_connections: int = 256, connect_timeout: float = 5.0) -> None:
+                 max_connections: int = 256, connect_timeout: float = 5.0, rcvbuf: int | None = 256 << 10) -> None:
         self.target = (target[0], int(target[1]))
+        self.rcvbuf = rcvbuf
         self.host = host
         self.chunk = chunk
         self.max_connections = max_connections
@@ -154,8 +158,29 @@ class FaultProxy:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> FaultProxy:
-        self._server = await asyncio.start_server(self._accept, self.host, 0)
+        sock = socket.create_server((self.host, 0))  # accepted sockets inherit the buffer set here
+        try:
+            self._fix_rcvbuf(sock)
+            self._server = await asyncio.start_server(self._accept, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return self
+
+    def _fix_rcvbuf(self, sock: socket.socket) -> None:
+        if self.rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+
+    async def _connect_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.target[0] else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            self._fix_rcvbuf(sock)  # before connect, so the window scale fits it
+            await asyncio.get_running_loop().sock_connect(sock, self.target)
+            return await asyncio.open_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
 
     @property
     def address(self) -> tuple[str, int]:
@@ -253,7 +278,7 @@ class FaultProxy:
             writer.transport.abort()
             return
         try:
-            up = await asyncio.wait_for(asyncio.open_connection(*self.target), self.connect_timeout)
+            up = await asyncio.wait_for(self._connect_upstream(), self.connect_timeout)
         except (TimeoutError, OSError):
             writer.transport.abort()
             return
