@@ -230,6 +230,10 @@ class LocalCache:
         self._addr_list: list[int] = addrs.tolist()
         self._views: list[Any] = [r.view for r in self.regions]  # None for device memory
 
+    @property
+    def addr_list(self) -> list[int]:
+        """``addrs`` as Python ints (do not modify), for planning tiny transfers without numpy."""
+        return self._addr_list
 
     def locate(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Index of the region holding each run; raises LLMParamInvalid if any run leaves its region."""

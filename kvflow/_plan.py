@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Union
 
@@ -65,6 +65,11 @@ def _all_tensors(num_tensors: int) -> np.ndarray:
     out = np.arange(num_tensors, dtype=np.int64)
     out.flags.writeable = False
     return out
+
+
+@lru_cache(maxsize=256)
+def _tensor_list(num_tensors: int) -> tuple[int, ...]:
+    return tuple(range(num_tensors))
 
 
 def _ext(ext: KvCacheExtParam | None) -> tuple[KvCacheExtParam, int]:
@@ -318,6 +323,28 @@ def coalesce_small(src: list[int], dst: list[int], stride: int) -> tuple[list[in
     return [b * stride for b in s0], [b * stride for b in d0], [c * stride for c in cnt]
 
 
+def small_rows(src_addrs: list[int], src_offs: list[int], dst_addrs: list[int], dst_offs: list[int],
+               src_t: Sequence[int], dst_t: Sequence[int], run_bytes: list[int], local_is_src: bool
+               ) -> list[list[int]]:
+    """The runs of a short plan as the five rows of a run table (``RunBatch.ROWS``: local address,
+    remote address, length, local tensor, remote tensor), in Python ints: ``*_addrs`` are the
+    tensors' start addresses, ``*_offs`` each run's byte offset inside a tensor."""
+    if len(run_bytes) == 1:
+        st, dt = list(src_t), list(dst_t)
+        if len(st) == 1:  # a single run: the common tiny transfer
+            sa, da = [src_addrs[st[0]] + src_offs[0]], [dst_addrs[dt[0]] + dst_offs[0]]
+        else:
+            sa = [src_addrs[t] + src_offs[0] for t in src_t]
+            da = [dst_addrs[t] + dst_offs[0] for t in dst_t]
+    else:
+        sa = [src_addrs[t] + o for t in src_t for o in src_offs]
+        da = [dst_addrs[t] + o for t in dst_t for o in dst_offs]
+        st = [t for t in src_t for _ in run_bytes]
+        dt = [t for t in dst_t for _ in run_bytes]
+    ln = run_bytes * len(src_t)
+    return [sa, da, ln, st, dt] if local_is_src else [da, sa, ln, dt, st]
+
+
 class Plan:
     """Runs between a source and a destination cache, as a (5, n) uint64 table in the row order
     of :class:`~kvflow.transport.RunBatch`: local address, remote address, length, local tensor,
@@ -482,22 +509,9 @@ class Plan:
     @classmethod
     def small(cls, src_addrs: list[int], src_offs: list[int], dst_addrs: list[int], dst_offs: list[int],
               src_t: list[int], dst_t: list[int], run_bytes: list[int], local_is_src: bool) -> Plan:
-        """The same runs as ``build``, computed in plain Python for short lists: ``*_addrs`` are the
-        tensors' start addresses, ``*_offs`` each run's byte offset inside a tensor."""
-        if len(run_bytes) == 1:
-            st, dt = src_t, dst_t
-            if len(src_t) == 1:  # a single run: the common tiny transfer
-                sa, da = [src_addrs[st[0]] + src_offs[0]], [dst_addrs[dt[0]] + dst_offs[0]]
-            else:
-                sa = [src_addrs[t] + src_offs[0] for t in src_t]
-                da = [dst_addrs[t] + dst_offs[0] for t in dst_t]
-        else:
-            sa = [src_addrs[t] + o for t in src_t for o in src_offs]
-            da = [dst_addrs[t] + o for t in dst_t for o in dst_offs]
-            st = [t for t in src_t for _ in run_bytes]
-            dt = [t for t in dst_t for _ in run_bytes]
-        ln = run_bytes * len(src_t)
-        flat = sa + da + ln + st + dt if local_is_src else da + sa + ln + dt + st
+        """The same runs as ``build``, computed in plain Python for short lists (``small_rows``)."""
+        rows = small_rows(src_addrs, src_offs, dst_addrs, dst_offs, src_t, dst_t, run_bytes, local_is_src)
+        flat = rows[0] + rows[1] + rows[2] + rows[3] + rows[4]
         return cls(np.fromiter(flat, _U64, len(flat)).reshape(5, -1), local_is_src)  # fromiter: the cheapest
 
     def batch(self, local: LocalCache, remote: RemoteCache, a: int = 0, b: int | None = None) -> RunBatch:
@@ -535,22 +549,31 @@ def _pairs(ext: KvCacheExtParam | None, src: CacheDesc, dst: CacheDesc) -> tuple
     return tensor_pairs(ext, src, dst)
 
 
+def _small_offsets(src: CacheDesc, dst: CacheDesc, src_blocks: BlockList,
+                   dst_blocks: BlockList) -> tuple[list[int], list[int], list[int]] | None:
+    """Short block lists checked and coalesced (``coalesce_small``); None when either list is not
+    short, for the numpy path."""
+    ss = small_block_list(src_blocks, src.num_blocks, "src_blocks")
+    ds = small_block_list(dst_blocks, dst.num_blocks, "dst_blocks")
+    if ss is None or ds is None:
+        return None
+    if len(ss) != len(ds):
+        raise LLMParamInvalid(f"src_blocks has {len(ss)} entries, dst_blocks has {len(ds)}")
+    if src.stride != dst.stride:
+        raise LLMParamInvalid(f"block sizes differ: source {src.stride} bytes, destination {dst.stride}")
+    if len(ds) > 1 and len(set(ds)) != len(ds):
+        raise LLMParamInvalid("dst_blocks names a block more than once")
+    return coalesce_small(ss, ds, src.stride)
+
+
 def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs: np.ndarray,
                 src_blocks: BlockList, dst_blocks: BlockList, ext: KvCacheExtParam | None,
                 local_is_src: bool = True) -> Plan:
     """Runs for a block-list transfer; every block and layer is checked."""
     s_t, d_t = _pairs(ext, src, dst)
-    ss = small_block_list(src_blocks, src.num_blocks, "src_blocks")
-    ds = small_block_list(dst_blocks, dst.num_blocks, "dst_blocks")
-    if ss is not None and ds is not None:
-        if len(ss) != len(ds):
-            raise LLMParamInvalid(f"src_blocks has {len(ss)} entries, dst_blocks has {len(ds)}")
-        if src.stride != dst.stride:
-            raise LLMParamInvalid(f"block sizes differ: source {src.stride} bytes, destination {dst.stride}")
-        if len(ds) > 1 and len(set(ds)) != len(ds):
-            raise LLMParamInvalid("dst_blocks names a block more than once")
-        stride = src.stride
-        so, do, nb = coalesce_small(ss, ds, stride)
+    small = _small_offsets(src, dst, src_blocks, dst_blocks)
+    if small is not None:
+        so, do, nb = small
         if s_t.size * len(so) <= SMALL:
             return Plan.small(src_addrs.tolist(), so, dst_addrs.tolist(), do, s_t.tolist(), d_t.tolist(), nb,
                               local_is_src)
@@ -560,6 +583,21 @@ def plan_blocks(src: CacheDesc, src_addrs: np.ndarray, dst: CacheDesc, dst_addrs
     if is_long(src_blocks) or is_long(dst_blocks):
         return Plan.deferred(steps, local_is_src)
     return run_steps(steps)
+
+
+def small_block_rows(src: CacheDesc, src_addrs: list[int], dst: CacheDesc, dst_addrs: list[int],
+                     src_blocks: BlockList, dst_blocks: BlockList, local_is_src: bool) -> list[list[int]] | None:
+    """``plan_blocks`` over every tensor (no ``ext_param``) for short lists, as ``small_rows``'s five
+    rows with no numpy call; None where ``plan_blocks`` would build a table (long lists, many runs,
+    different tensor counts). Bad input raises the same typed errors."""
+    if src.num_tensors != dst.num_tensors:
+        return None
+    small = _small_offsets(src, dst, src_blocks, dst_blocks)
+    if small is None or src.num_tensors * len(small[0]) > SMALL:
+        return None
+    so, do, nb = small
+    t = _tensor_list(src.num_tensors)
+    return small_rows(src_addrs, so, dst_addrs, do, t, t, nb, local_is_src)
 
 
 def is_long(blocks: Any, limit: int = DEFER_BLOCKS) -> bool:

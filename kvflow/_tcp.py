@@ -31,7 +31,7 @@ from . import _iov as iov
 from . import _pump as pump
 from ._iov import IovCursor
 from ._memory import SMALL_RUNS, CacheUser, LocalCache, Registry
-from ._plan import plan_blocks
+from ._plan import small_block_rows
 from ._status import LLMException, LLMLinkFailed, LLMParamInvalid, LLMStatusCode, error_for
 from .transport import Endpoint, LinkChannel, RemoteCache, RunBatch, Started, Transport, TransportContext
 
@@ -53,6 +53,7 @@ CHUNK_BYTES = 64 << 10
 RECV_BUDGET = 4 << 20  # bytes per readable callback before yielding to the loop
 SEND_BUDGET = 4 << 20
 SMALL_FRAME_BUFS = 16  # frames of at most this many buffers are offered to sendmsg whole at first
+_ADDR_LIST = "tcp.addr_list"  # RemoteCache.cache key: the peer's tensor addresses as Python ints
 POLL_BYTES = 64 << 10  # requests up to this size make the channel busy-poll for the next frame
 DEFAULT_BUSY_POLL_US = 200
 #: How long a small transfer reads for its reply inside the caller's own call (``TcpChannel.now``),
@@ -385,16 +386,20 @@ class TcpChannel(CacheUser):
         (raises its typed error if it failed); ``Started`` when the reply is late (the loop then
         polls on for ``busy_poll``, as for any small request); None, with nothing sent, unless the
         channel is idle and the batch is at most SMALL_RUNS runs and POLL_BYTES bytes."""
-        n = len(batch)
-        if n > SMALL_RUNS or not self.idle:
+        if len(batch) > SMALL_RUNS or not self.idle:
             return None
-        rows = batch.table.tolist()
-        if sum(rows[2]) > POLL_BYTES:
+        return self.now_rows(kind, batch.table.tolist(), batch.local_cache, batch.remote_cache.cache_id)
+
+    def now_rows(self, kind: int, rows: list[list[int]], local: LocalCache,
+                 cache_id: int) -> tuple[int, int] | Started | None:
+        """``now`` of a batch given as its table's five rows of Python ints (``RunBatch.ROWS``), the
+        peer's cache by id: tiny plans skip numpy. The caller has checked that the channel is idle."""
+        n = len(rows[2])
+        if n > SMALL_RUNS or sum(rows[2]) > POLL_BYTES:
             return None
-        local = batch.local_cache
         req_id = self._next_id
         self._next_id += 1
-        payload, head, nbytes = _wire_small(kind, req_id, batch.remote_cache.cache_id, rows, local)
+        payload, head, nbytes = _wire_small(kind, req_id, cache_id, rows, local)
         xfer = _Transfer(self._loop.create_future(), 1)
         op = self._queue(kind, req_id, payload, head, nbytes, n, xfer, local)
         self._admit()
@@ -1014,19 +1019,24 @@ class TcpEndpoint(Endpoint):
 
     def blocks_now(self, write: bool, local: LocalCache, remote: RemoteCache, src_blocks: list[int] | tuple[int, ...],
                    dst_blocks: list[int] | tuple[int, ...]) -> tuple[int, int] | Started | None:
-        """A small block transfer planned by the core's planner and sent through ``TcpChannel.now``,
-        without the request objects of ``read_now``'s path; bad input is declined (the core then
-        raises its typed error)."""
+        """A small block transfer planned by the core's planner (``small_block_rows``: Python ints, no
+        numpy table) and sent through ``TcpChannel.now_rows``, without the request objects of
+        ``read_now``'s path; bad input is declined (the core then raises its typed error)."""
         if not self._ch.idle or len(src_blocks) * local.desc.stride * local.desc.num_tensors > POLL_BYTES:
             return None
+        remote_addrs = remote.cache.get(_ADDR_LIST)
+        if remote_addrs is None:
+            remote_addrs = remote.cache[_ADDR_LIST] = remote.addrs.tolist()
+        local_addrs = local.addr_list
         src, dst = (local, remote) if write else (remote, local)
         try:
-            plan = plan_blocks(src.desc, src.addrs, dst.desc, dst.addrs, src_blocks, dst_blocks, None, write)
+            rows = small_block_rows(src.desc, local_addrs if write else remote_addrs, dst.desc,
+                                    remote_addrs if write else local_addrs, src_blocks, dst_blocks, write)
         except LLMException:
             return None
-        if not plan.whole:
+        if rows is None:
             return None
-        return self._ch.now(WRITE_REQ if write else READ_REQ, plan.batch(local, remote))
+        return self._ch.now_rows(WRITE_REQ if write else READ_REQ, rows, local, remote.cache_id)
 
     def abort(self, exc: BaseException) -> None:
         self._ch._fail(exc)  # in-flight operations fail with ``exc``; the link is told (once) it is broken

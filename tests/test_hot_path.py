@@ -172,9 +172,10 @@ async def test_busy_poll_is_bounded_and_can_be_off(tcp_peer: Peer, poll_us: str)
         await dd.finalize()
 
 
-async def _inline_results(peer: Peer, options: dict[str, str], push: bool) -> list[Any]:
-    """50 one-block pulls (or pushes) over tcp with ``options``: what ``TcpChannel.now`` returned for
-    each (checking every block's bytes on the way)."""
+async def _inline_results(peer: Peer, options: dict[str, str], push: bool, method: str = "now_rows") -> list[Any]:
+    """50 one-block pulls (or pushes) over tcp with ``options``: what ``TcpChannel.<method>`` returned
+    for each (checking every block's bytes on the way). tcp's ``blocks_now`` calls ``now_rows``; the
+    core's ``read_now`` / ``write_now`` path, taken when ``blocks_now`` declines, calls ``now``."""
     desc = CacheDesc(1, DataType.DT_UINT8, [16, 4096])
     rid = await peer.register(desc, seed=7)
     want = (await peer.read(rid))[0].reshape(16, 4096)
@@ -186,13 +187,13 @@ async def _inline_results(peer: Peer, options: dict[str, str], push: bool) -> li
         await dd.pull_kv_blocks(ci, cache, [0], [0])  # learns the peer's cache
         ch = _channel(dd)
         results: list[Any] = []
-        now = ch.now
+        now = getattr(ch, method)
 
-        def recorded(kind: int, batch: RunBatch) -> Any:
-            results.append(now(kind, batch))
+        def recorded(*args: Any) -> Any:
+            results.append(now(*args))
             return results[-1]
 
-        ch.now = recorded
+        setattr(ch, method, recorded)
         for i in range(50):
             if push:
                 await dd.push_kv_blocks(cache, ci, [i % 16], [(i * 3) % 16])
@@ -229,8 +230,9 @@ async def test_tcp_small_transfer_whose_reply_is_late_finishes_on_the_loop(tcp_p
 
 @pytest.mark.asyncio
 async def test_tcp_inline_reads_are_off_without_a_poll_budget(tcp_peer: Peer) -> None:
-    """BusyPollUs=0 bounds the inline window too: nothing polls, ``now`` declines every time."""
-    results = await _inline_results(tcp_peer, {"kvflow.tcp.BusyPollUs": "0"}, False)
+    """BusyPollUs=0 bounds the inline window too: nothing polls, ``blocks_now`` declines, and so does
+    ``now`` on the core's path, every time."""
+    results = await _inline_results(tcp_peer, {"kvflow.tcp.BusyPollUs": "0"}, False, "now")
     assert results == [None] * 50
 
 

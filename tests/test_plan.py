@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow import CacheDesc, DataType, KvCacheExtParam, LLMParamInvalid
-from kvflow._plan import SMALL, coalesce, has_duplicates, layer_tensors, plan_blocks, plan_cache
+from kvflow._plan import SMALL, coalesce, has_duplicates, layer_tensors, plan_blocks, plan_cache, small_block_rows
 
 DESC = CacheDesc(4, DataType.DT_INT32, [8, 16])
 SRC = np.array([0x10000, 0x20000, 0x30000, 0x40000], dtype=np.uint64)
@@ -78,6 +78,32 @@ def test_small_and_vectorised_paths_agree(pairs: list[tuple[int, int]], local_is
         assert p.table.dtype == np.uint64 and p.table.flags.c_contiguous
         local, remote = (p.src_addr, p.dst_addr) if local_is_src else (p.dst_addr, p.src_addr)
         assert p.table[0].tolist() == local.tolist() and p.table[1].tolist() == remote.tolist()
+    # the rows tcp's blocks_now sends: Python ints in the same table, or None where a table is due
+    rows = small_block_rows(desc, a.tolist(), desc, b.tolist(), src, dst, local_is_src)
+    if len(fast) <= SMALL:
+        assert rows == fast.table.tolist()
+    else:
+        assert rows is None
+
+
+@pytest.mark.parametrize("src, dst", [([0, 1], [2]), ([64], [0]), ([0], [-1]), ([0, 1], [3, 3]), ([True], [0]),
+                                      (["1"], [0])])
+def test_small_rows_refuse_what_plan_blocks_refuses(src: list, dst: list) -> None:
+    desc = CacheDesc(2, DataType.DT_UINT8, [64, 8])
+    a, b = [1 << 20, 2 << 20], [3 << 20, 4 << 20]
+    with pytest.raises(LLMParamInvalid) as planned:
+        plan_blocks(desc, np.array(a, dtype=np.uint64), desc, np.array(b, dtype=np.uint64), src, dst, None)
+    with pytest.raises(LLMParamInvalid) as rows:
+        small_block_rows(desc, a, desc, b, src, dst, True)
+    assert str(rows.value) == str(planned.value)
+
+
+def test_small_rows_leave_other_strides_and_tensor_counts_to_plan_blocks() -> None:
+    a, b = [1 << 20, 2 << 20], [3 << 20, 4 << 20]
+    two, other = CacheDesc(2, DataType.DT_UINT8, [64, 8]), CacheDesc(2, DataType.DT_UINT8, [64, 16])
+    with pytest.raises(LLMParamInvalid, match="block sizes differ"):
+        small_block_rows(two, a, other, b, [0], [0], True)
+    assert small_block_rows(two, a, CacheDesc(1, DataType.DT_UINT8, [64, 8]), b[:1], [0], [0], True) is None
 
 
 def test_whole_slot_plan_small_and_vectorised_agree() -> None:
