@@ -40,6 +40,9 @@ log = logging.getLogger("kvflow.tcp")
 HDR = struct.Struct("<BBHIQQQ")  # kind, flags, reserved, count, request id, arg, payload bytes
 READ_REQ, READ_RSP, WRITE_REQ, WRITE_RSP = 1, 2, 3, 4
 RUN = np.dtype([("addr", "<u8"), ("len", "<u8")])
+#: The header and run table of a request of ``n`` runs (``n`` up to SMALL_RUNS), by ``n``.
+_SMALL_HEADS = tuple(struct.Struct(f"<BBHIQQQ{2 * n}Q") for n in range(SMALL_RUNS + 1))
+_SMALL_RUNS_TABLES = tuple(struct.Struct(f"<{2 * n}Q") for n in range(SMALL_RUNS + 1))  # the run table alone
 MAX_RUNS = 1 << 14  # runs per frame, at most (a peer's frame beyond either bound breaks the link)
 MAX_FRAME_BYTES = 1 << 30  # payload bytes per frame, at most
 FRAME_RUNS = 2048  # what our own frames carry at most: small enough to pipeline, big enough to amortise
@@ -98,8 +101,13 @@ def _wire_small(kind: int, req_id: int, cache_id: int, rows: list[list[int]],
     """``_wire`` of a batch of at most SMALL_RUNS runs, its table given as lists of Python ints."""
     la, ra, ln, lt, _ = rows
     n, nbytes = len(ln), sum(ln)
-    pairs = [v for pair in zip(ra, ln) for v in pair]
-    head = struct.pack(f"<BBHIQQQ{2 * n}Q", kind, 0, 0, n, req_id, cache_id, nbytes, *pairs)
+    if n == 1:
+        head = _SMALL_HEADS[1].pack(kind, 0, 0, 1, req_id, cache_id, nbytes, ra[0], nbytes)
+    else:
+        pairs = [0] * (2 * n)
+        pairs[0::2] = ra
+        pairs[1::2] = ln
+        head = _SMALL_HEADS[n].pack(kind, 0, 0, n, req_id, cache_id, nbytes, *pairs)
     return local.views_small(la, ln, lt), head, nbytes
 
 
@@ -795,12 +803,30 @@ class TcpChannel(CacheUser):
             if total != op.nbytes:
                 self._protocol_error(f"read {req_id}: {total} bytes, expected {op.nbytes}")
             dests = None if op.abandoned else op.dests
+            got = 0
+            if type(dests) is list and 0 < total <= POLL_BYTES:  # a small payload, most often here already
+                try:
+                    got = self._sock.recvmsg_into(dests)[0]
+                    if got == 0:
+                        raise ConnectionResetError("peer closed the data connection")
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    self._payload_op = op  # out of _pending already: the teardown fails it from here
+                    raise
+                if got == total:  # read whole in the one call: no cursor, no payload state
+                    op.xfer.frame_done()
+                    self._retire(op)
+                    return
 
             def read_done(op: _Op = op) -> None:
                 op.xfer.frame_done()
                 self._retire(op)
 
             self._expect_payload(dests, total, read_done, op)
+            if got:
+                self._left -= got
+                self._rx.advance(got)
         elif kind == WRITE_RSP:
             op = self._pending.pop(req_id, None)
             if op is None or op.kind != WRITE_REQ:
@@ -820,7 +846,7 @@ class TcpChannel(CacheUser):
         """The named cache and the runs of the peer's request in it, every run checked."""
         local = self._registry.get(cache_id)
         if count <= SMALL_RUNS:
-            pairs = struct.unpack_from(f"<{2 * count}Q", self._runs_mv)
+            pairs = _SMALL_RUNS_TABLES[count].unpack_from(self._runs_mv)
             run_lens = list(pairs[1::2])
             if sum(run_lens) != total:
                 raise LLMParamInvalid("run lengths do not add up to the payload size")

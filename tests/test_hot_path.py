@@ -319,3 +319,81 @@ async def test_large_frames_with_and_without_the_iovec_path(tcp_peer: Peer, iov_
         assert (calls["recv"] > 0 and calls["send"] > 0) is iov_path, calls
     finally:
         await dd.finalize()
+
+
+# ---------------------------------------------------------------------- a small reply in pieces
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first", [0, 1000, 4095], ids=["header-alone", "header-and-1000", "all-but-one-byte"])
+async def test_a_small_reply_that_arrives_in_pieces_lands_whole(first: int) -> None:
+    """The reader takes a small reply's payload straight after its header in one ``recvmsg_into``.
+    A raw peer sends the header with ``first`` payload bytes, then the rest 50 ms later: the read
+    carries on from where that call stopped, and the block holds exactly the peer's bytes."""
+    import socket
+    import struct
+
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+
+    reg = Registry()
+    arr = np.zeros(16 * 4096, dtype=np.uint8)
+    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), [arr])
+    lsock = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(lsock.getsockname())
+    ours, _ = lsock.accept()
+    lsock.close()
+    broken: list[BaseException] = []
+    ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
+    try:
+        async with asyncio.timeout(10):
+            base = int(arr.ctypes.data)
+            moved = ch.now_rows(READ_REQ, [[base + 3 * 4096], [0x5000], [4096], [0], [0]], local, 9)
+            assert isinstance(moved, Started)  # no inline window: the reply is read on the loop
+            request = await asyncio.get_running_loop().sock_recv(peer, HDR.size + 16)
+            kind, _f, _r, count, req_id, cache_id, total = HDR.unpack(request[: HDR.size])
+            assert (kind, count, cache_id, total) == (READ_REQ, 1, 9, 4096)
+            assert struct.unpack("<2Q", request[HDR.size :]) == (0x5000, 4096)
+            payload = np.random.default_rng(first).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+            peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, 4096) + payload[:first])
+            await asyncio.sleep(0.05)
+            assert arr[3 * 4096 : 3 * 4096 + first].tobytes() == payload[:first]  # the first part landed
+            peer.sendall(payload[first:])
+            await moved.done
+        assert arr[3 * 4096 : 4 * 4096].tobytes() == payload
+        assert not arr[: 3 * 4096].any() and not arr[4 * 4096 :].any()
+        assert not broken and not ch._pending and not ch._sendq  # nothing left in flight
+        assert ch._state == 0 and ch._got == 0  # the reader waits for the next frame's header
+    finally:
+        ch.close()
+        peer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_closes_after_a_small_reply_header_fails_the_read() -> None:
+    """The header of a small reply, then the peer closes: the read fails as a broken link (the reply's
+    read had already taken it off the pending requests; it hung until the teardown was told of it)."""
+    import socket
+
+    from kvflow import LLMLinkFailed
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+
+    reg = Registry()
+    arr = np.zeros(4096, dtype=np.uint8)
+    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [1, 4096]), [arr])
+    lsock = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(lsock.getsockname())
+    ours, _ = lsock.accept()
+    lsock.close()
+    broken: list[BaseException] = []
+    ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
+    try:
+        async with asyncio.timeout(10):
+            moved = ch.now_rows(READ_REQ, [[int(arr.ctypes.data)], [0x5000], [4096], [0], [0]], local, 9)
+            assert isinstance(moved, Started)
+            request = await asyncio.get_running_loop().sock_recv(peer, HDR.size + 16)
+            req_id = HDR.unpack(request[: HDR.size])[4]
+            peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, 4096))
+            peer.close()
+            with pytest.raises(LLMLinkFailed, match="closed"):
+                await moved.done
+        assert broken
+    finally:
+        ch.close()
