@@ -146,10 +146,12 @@ async def test_sigkill_mid_transfer_fails_every_future_within_bound_then_relinks
     cleanup.append(peer)
     dd = await make_dd()
     cleanup.append(dd)
-    assert await link(dd, PEER, peer.address) == LLMStatusCode.LLM_SUCCESS
+    # filling 256 MiB holds this loop for 1-3 s here: before linking, or the peer sees no heartbeat
+    # for its 2 s and breaks the link before the pull begins
     dst = Guarded(big, None)
-    cache = await dd.register_kv_cache(big, dst.tensors)
     sdst = Guarded(small, None)
+    assert await link(dd, PEER, peer.address) == LLMStatusCode.LLM_SUCCESS
+    cache = await dd.register_kv_cache(big, dst.tensors)
     scache = await dd.register_kv_cache(small, sdst.tensors)
     loop = asyncio.get_running_loop()
     ended: dict[str, float] = {}
