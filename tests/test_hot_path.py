@@ -340,6 +340,7 @@ async def test_a_small_reply_that_arrives_in_pieces_lands_whole(first: int) -> N
     peer = socket.create_connection(lsock.getsockname())
     ours, _ = lsock.accept()
     lsock.close()
+    peer.setblocking(False)  # the loop's sock_recv would block in recv on a blocking socket
     broken: list[BaseException] = []
     ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
     try:
@@ -382,6 +383,7 @@ async def test_a_peer_that_closes_after_a_small_reply_header_fails_the_read() ->
     peer = socket.create_connection(lsock.getsockname())
     ours, _ = lsock.accept()
     lsock.close()
+    peer.setblocking(False)  # the loop's sock_recv would block in recv on a blocking socket
     broken: list[BaseException] = []
     ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
     try:
@@ -397,3 +399,53 @@ async def test_a_peer_that_closes_after_a_small_reply_header_fails_the_read() ->
         assert broken
     finally:
         ch.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("taken", [None, 0, 1000], ids=["whole", "none", "part"])
+async def test_a_small_reply_is_offered_whole_and_the_queue_sends_what_the_offer_left(taken: int | None) -> None:
+    """A peer's small read is answered with one ``sendmsg`` ahead of the queue; what that call did not
+    take goes out from the queue, once, in order. ``taken`` stands in for the kernel taking none or
+    1000 bytes of the reply (a full or nearly full send buffer, which cannot be arranged to the byte):
+    those bytes are really sent, the rest is the queue's. The cache is unpinned afterwards."""
+    import socket
+    import struct
+
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+
+    reg = Registry()
+    arr = np.random.default_rng(5).integers(0, 256, 16 * 4096, dtype=np.uint8)
+    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), [arr])
+    lsock = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(lsock.getsockname())
+    ours, _ = lsock.accept()
+    lsock.close()
+    peer.setblocking(False)  # the loop's sock_recv would block in recv on a blocking socket
+    broken: list[BaseException] = []
+    ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
+    offers: list[int] = []
+    if taken is not None:
+        def offer(bufs: list[Any]) -> int:
+            offers.append(ours.send(b"".join(bufs)[:taken]) if taken else 0)
+            return offers[-1]
+
+        ch._offer = offer  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(10):
+            base = int(arr.ctypes.data)
+            runs = struct.pack("<2Q", base + 5 * 4096, 4096)
+            peer.sendall(HDR.pack(READ_REQ, 0, 0, 1, 7, local.cache_id, 4096) + runs)
+            got = b""
+            while len(got) < HDR.size + 4096:
+                got += await asyncio.get_running_loop().sock_recv(peer, 1 << 16)
+            await asyncio.sleep(0.05)
+            with pytest.raises(BlockingIOError):
+                peer.recv(1)  # nothing follows the reply
+        kind, _f, _r, _c, req_id, status, total = HDR.unpack(got[: HDR.size])
+        assert (kind, req_id, status, total) == (READ_RSP, 7, 0, 4096)
+        assert got[HDR.size :] == arr[5 * 4096 : 6 * 4096].tobytes()
+        assert offers == ([] if taken is None else [taken])
+        assert local.inflight == 0 and not local.pins and not ch._sendq and not broken
+    finally:
+        ch.close()
+        peer.close()
