@@ -322,27 +322,37 @@ async def test_large_frames_with_and_without_the_iovec_path(tcp_peer: Peer, iov_
 
 
 # ---------------------------------------------------------------------- a small reply in pieces
+def _raw_peer(desc: CacheDesc, arr: np.ndarray) -> tuple[LocalCache, Any, Any, Any, list[BaseException]]:
+    """``arr`` registered as ``desc``; a TcpChannel on our end of a loopback connection and a raw
+    non-blocking socket at the peer's (the loop's sock_recv would block on a blocking one). Returns
+    the cache, our socket, the peer's, the channel and the list its broken-link callback fills."""
+    import socket
+
+    from kvflow._tcp import TcpChannel
+
+    reg = Registry()
+    local = reg.add(desc, [arr])
+    lsock = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(lsock.getsockname())
+    ours, _ = lsock.accept()
+    lsock.close()
+    peer.setblocking(False)
+    broken: list[BaseException] = []
+    return local, ours, peer, TcpChannel(ours, reg, broken.append, 0.0, workers=None), broken
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("first", [0, 1000, 4095], ids=["header-alone", "header-and-1000", "all-but-one-byte"])
 async def test_a_small_reply_that_arrives_in_pieces_lands_whole(first: int) -> None:
     """The reader takes a small reply's payload straight after its header in one ``recvmsg_into``.
     A raw peer sends the header with ``first`` payload bytes, then the rest 50 ms later: the read
     carries on from where that call stopped, and the block holds exactly the peer's bytes."""
-    import socket
     import struct
 
-    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP
 
-    reg = Registry()
     arr = np.zeros(16 * 4096, dtype=np.uint8)
-    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), [arr])
-    lsock = socket.create_server(("127.0.0.1", 0))
-    peer = socket.create_connection(lsock.getsockname())
-    ours, _ = lsock.accept()
-    lsock.close()
-    peer.setblocking(False)  # the loop's sock_recv would block in recv on a blocking socket
-    broken: list[BaseException] = []
-    ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
+    local, _ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr)
     try:
         async with asyncio.timeout(10):
             base = int(arr.ctypes.data)
@@ -371,21 +381,12 @@ async def test_a_small_reply_that_arrives_in_pieces_lands_whole(first: int) -> N
 async def test_a_peer_that_closes_after_a_small_reply_header_fails_the_read() -> None:
     """The header of a small reply, then the peer closes: the read fails as a broken link (the reply's
     read had already taken it off the pending requests; it hung until the teardown was told of it)."""
-    import socket
 
     from kvflow import LLMLinkFailed
-    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP
 
-    reg = Registry()
     arr = np.zeros(4096, dtype=np.uint8)
-    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [1, 4096]), [arr])
-    lsock = socket.create_server(("127.0.0.1", 0))
-    peer = socket.create_connection(lsock.getsockname())
-    ours, _ = lsock.accept()
-    lsock.close()
-    peer.setblocking(False)  # the loop's sock_recv would block in recv on a blocking socket
-    broken: list[BaseException] = []
-    ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
+    local, _ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [1, 4096]), arr)
     try:
         async with asyncio.timeout(10):
             moved = ch.now_rows(READ_REQ, [[int(arr.ctypes.data)], [0x5000], [4096], [0], [0]], local, 9)
@@ -408,21 +409,12 @@ async def test_a_small_reply_is_offered_whole_and_the_queue_sends_what_the_offer
     take goes out from the queue, once, in order. ``taken`` stands in for the kernel taking none or
     1000 bytes of the reply (a full or nearly full send buffer, which cannot be arranged to the byte):
     those bytes are really sent, the rest is the queue's. The cache is unpinned afterwards."""
-    import socket
     import struct
 
-    from kvflow._tcp import HDR, READ_REQ, READ_RSP, TcpChannel
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP
 
-    reg = Registry()
     arr = np.random.default_rng(5).integers(0, 256, 16 * 4096, dtype=np.uint8)
-    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), [arr])
-    lsock = socket.create_server(("127.0.0.1", 0))
-    peer = socket.create_connection(lsock.getsockname())
-    ours, _ = lsock.accept()
-    lsock.close()
-    peer.setblocking(False)  # the loop's sock_recv would block in recv on a blocking socket
-    broken: list[BaseException] = []
-    ch = TcpChannel(ours, reg, broken.append, 0.0, workers=None)
+    local, ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr)
     offers: list[int] = []
     if taken is not None:
         def offer(bufs: list[Any]) -> int:
