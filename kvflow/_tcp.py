@@ -1073,11 +1073,10 @@ class TcpEndpoint(Endpoint):
         remote_addrs = remote.cache.get(_ADDR_LIST)
         if remote_addrs is None:
             remote_addrs = remote.cache[_ADDR_LIST] = remote.addrs.tolist()
-        local_addrs = local.addr_list
-        src, dst = (local, remote) if write else (remote, local)
+        ours, theirs = (local.desc, local.addr_list), (remote.desc, remote_addrs)
+        (src, src_addrs), (dst, dst_addrs) = (ours, theirs) if write else (theirs, ours)
         try:
-            rows = small_block_rows(src.desc, local_addrs if write else remote_addrs, dst.desc,
-                                    remote_addrs if write else local_addrs, src_blocks, dst_blocks, write)
+            rows = small_block_rows(src, src_addrs, dst, dst_addrs, src_blocks, dst_blocks, write)
         except LLMException:
             return None
         if rows is None:

@@ -146,8 +146,8 @@ async def test_sigkill_mid_transfer_fails_every_future_within_bound_then_relinks
     cleanup.append(peer)
     dd = await make_dd()
     cleanup.append(dd)
-    # filling 256 MiB holds this loop for 1-3 s here: before linking, or the peer sees no heartbeat
-    # for its 2 s and breaks the link before the pull begins
+    # filling 256 MiB holds this loop for about 1 s here, longer on a slow host: before linking, or
+    # the peer may see no heartbeat for its 2 s and break the link before the pull begins
     dst = Guarded(big, None)
     sdst = Guarded(small, None)
     assert await link(dd, PEER, peer.address) == LLMStatusCode.LLM_SUCCESS
