@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvflow import CacheDesc, DataType, KvCacheExtParam, LLMParamInvalid
@@ -52,6 +52,7 @@ def test_cache_plan_size_and_batch() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 63)), min_size=1, max_size=40, unique_by=lambda p: p[1]),
        st.booleans())
+@example([(i, i) for i in range(SMALL + 1)], True)  # too long for the short path, yet coalesced into one run per tensor
 def test_small_and_vectorised_paths_agree(pairs: list[tuple[int, int]], local_is_src: bool) -> None:
     """Lists of up to SMALL blocks take a plain-Python path; both paths give the same bytes, and
     both tables put the local side first."""
