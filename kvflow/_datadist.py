@@ -347,6 +347,8 @@ class LlmDataDist:
                              timeout_in_millis: int | None = None) -> None:
         """Copy the peer's ``src_blocks`` into local ``dst_blocks`` (pairwise)."""
         if ext_param is None and self._initialized:
+            if self._engine.turns.owed():  # transfers finished inside their calls back to back (LoopTurns)
+                await asyncio.sleep(0)
             now = self._engine.blocks_now(PULL, src_cache_index, dst_cache, src_blocks, dst_blocks, timeout_in_millis,
                                           False)
             if now is not False:
@@ -368,6 +370,8 @@ class LlmDataDist:
                              timeout_in_millis: int | None = None) -> None:
         """Copy local ``src_blocks`` into the peer's ``dst_blocks`` (pairwise)."""
         if ext_param is None and self._initialized:
+            if self._engine.turns.owed():  # transfers finished inside their calls back to back (LoopTurns)
+                await asyncio.sleep(0)
             now = self._engine.blocks_now(PUSH, dst_cache_index, src_cache, src_blocks, dst_blocks, timeout_in_millis,
                                           False)
             if now is not False:

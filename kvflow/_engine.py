@@ -8,6 +8,7 @@ vanished is forgotten. Small batches that a transport can move on the spot skip 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 from ._checks import MAX_TIMEOUT_MS, check_int
@@ -90,6 +91,45 @@ def _done(metrics: Metrics, direction: str, peer: int, transport: str, moved: Ru
         metrics.done_runs(direction, peer, transport, len(moved), moved.nbytes, seconds, span)
 
 
+#: How long a task may go on starting transfers that finish inside the call (and so never suspend)
+#: before its next call first yields one turn to the loop (``LoopTurns``).
+INLINE_TURN_S = 0.5e-3
+
+
+class LoopTurns:
+    """Whether the caller's task owes the event loop a turn.
+
+    A small transfer that a transport finishes inside the call returns without suspending, so a
+    task that awaits such transfers back to back never lets the loop run: its other tasks, its
+    timers and kvflow's own heartbeats wait until the task suspends for another reason (shm pulls
+    back to back held a loop for seconds, until the peer dropped the link for lack of heartbeats).
+    A marker callback queued on the loop tells whether a turn came since it was queued; when
+    transfers have been started for ``INLINE_TURN_S`` with the marker still queued, the next one
+    yields first. The marker is queued again at most every ``INLINE_TURN_S / 2``, so that transfers
+    that suspend anyway pay one ``call_soon`` per that interval, not one each; a stretch without a
+    turn lasts at most about 1.5 times ``INLINE_TURN_S`` plus one transfer."""
+
+    __slots__ = ("_queued", "_since")
+
+    def __init__(self) -> None:
+        self._since = -1.0  # when the marker was last queued
+        self._queued = False
+
+    def owed(self) -> bool:
+        """Called on the loop thread as a transfer starts: True if it should first yield a turn."""
+        now = time.perf_counter()
+        if self._queued:
+            return now - self._since > INLINE_TURN_S
+        if now - self._since > INLINE_TURN_S / 2:
+            self._queued = True
+            self._since = now
+            asyncio.get_running_loop().call_soon(self._turned)
+        return False
+
+    def _turned(self) -> None:
+        self._queued = False
+
+
 class RunningTask(Protocol):
     """A layer-wise task the engine holds while it runs (``_layerwise.CacheTask``)."""
 
@@ -105,6 +145,7 @@ class TransferEngine:
         self.metrics = metrics
         self.tasks: set[RunningTask] = set()  # running CacheTasks (the loop keeps only weak references)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.turns = LoopTurns()  # the loop thread's: kvflow.sync's own-thread calls do not use it
 
     @property
     def sync_wait_s(self) -> float:
@@ -121,6 +162,8 @@ class TransferEngine:
         """Plan against the peer's cache and move the batch within the deadline, counted in ``stats()``."""
         direction, ci, local, planner, precheck = req
         timeout = self.deadline(timeout_in_millis)
+        if self.turns.owed():  # before anything moves: a caller cancelled meanwhile has moved nothing
+            await asyncio.sleep(0)
         metrics = self.metrics
         span = metrics.start_span(direction, ci.cluster_id, ci.cache_id)
         t0 = metrics_now()

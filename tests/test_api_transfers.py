@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -35,6 +36,46 @@ async def test_pull_kv_blocks_seed_mapping(pair: Pair) -> None:
         for s, d in zip([0, 1, 2, 3], [3, 2, 1, 0]):
             assert np.array_equal(got[d], src[s])
         assert not got[4:].any(), "blocks outside the list changed"
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+async def test_small_transfers_awaited_back_to_back_let_the_loop_run(pair: Pair, op: str) -> None:
+    """One task awaiting small transfers back to back, which mostly finish inside their calls,
+    still lets the loop run its other tasks (kvflow's ``LoopTurns``): a task on the same loop that
+    only yields measures the longest stretch without a turn. Before, such shm pulls ran for seconds
+    without one, and the peer dropped the link for want of heartbeats."""
+    rid = await pair.peer.register(DESC, seed=5)
+    cache, arrs = await pair.local_cache(DESC, seed=6)
+    ci = pair.index(rid)
+    gaps: list[float] = []
+    stop = False
+
+    async def other_task() -> None:
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    other = asyncio.ensure_future(other_task())
+    await asyncio.sleep(0)
+    n, t0 = 0, time.perf_counter()
+    while n < 50_000 and time.perf_counter() - t0 < 0.5:  # 0.5 s of transfers, bounded in count too
+        b = n % DESC.num_blocks
+        if op == "pull":
+            await pair.dd.pull_kv_blocks(ci, cache, [b], [b])
+        else:
+            await pair.dd.push_kv_blocks(cache, ci, [b], [b])
+        n += 1
+    stop = True
+    await other
+    # A turn comes about every 0.75 ms of such transfers; without them the stretch is the whole 0.5 s.
+    assert len(gaps) > 20, (n, len(gaps))
+    assert max(gaps) < 0.05, (n, sorted(gaps)[-5:])
+    remote = await pair.peer.read(rid)  # and the link still works, with the bytes in place
+    for t in range(DESC.num_tensors):
+        assert np.array_equal(arrs[t], remote[t])
 
 
 async def test_pull_kv_cache_batch_index_and_size(pair: Pair) -> None:
