@@ -25,7 +25,8 @@ BLOCK_SIZES = (16 << 10, 256 << 10, 4 << 20)
 LAT_BLOCK = 4 << 10
 RAW_CHUNK = 1 << 20  # the raw baseline's send/recv size: the fastest plain-socket setting measured here
 # op, nbytes, block: 1 = send me nbytes, 2 = take nbytes, 3 = 4 KiB ping, 4 / 5 = as 1 / 2 but the
-# bytes are blocks of `block` bytes in a shuffled order on both sides (scatter-gather I/O)
+# bytes are blocks of `block` bytes in a shuffled order on both sides (scatter-gather I/O),
+# 6 = answer the next `nbytes` 4 KiB pings spinning on a non-blocking socket (the polled baseline)
 _RAW = struct.Struct("<BQQ")
 RAW_IOVS = 64  # views per sendmsg / recvmsg_into in the scattered baseline (1 MiB of 16 KiB blocks)
 
@@ -93,6 +94,33 @@ def _raw_server(lsock: socket.socket, buf: memoryview) -> None:
             elif op == 5:
                 _scatter_io(lambda views: conn.recvmsg_into(views)[0], _shuffled(buf, nbytes, block, 1))
                 conn.sendall(b"k")
+            elif op == 6:
+                conn.setblocking(False)
+                try:
+                    _answer_polled(conn, hdr, lat, nbytes)
+                finally:
+                    conn.setblocking(True)
+
+
+def _answer_polled(conn: socket.socket, hdr: bytearray, reply: memoryview, count: int) -> None:
+    """Answer ``count`` pings with ``reply``, spinning on the non-blocking ``conn`` (no sleep)."""
+    view = memoryview(hdr)
+    for _ in range(count):
+        got = 0
+        while got < len(hdr):
+            try:
+                n = conn.recv_into(view[got:])
+            except BlockingIOError:
+                continue
+            if not n:
+                raise ConnectionError("raw peer closed")
+            got += n
+        sent = 0
+        while sent < len(reply):
+            try:
+                sent += conn.send(reply[sent:])
+            except BlockingIOError:
+                continue
 
 
 def _shuffled(buf: memoryview, nbytes: int, block: int, seed: int) -> list[memoryview]:
@@ -280,6 +308,10 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                 alat = await _awaited_latency(raw, rawbuf, lat_iters)
                 rows.append(Row(t, "4 KiB pull p50", "4 KiB", _pct(lat, 50), _pct(alat, 50), "us",
                                 "raw socket, awaited"))
+                plat = baselines["tcp"][1].polled_latency(lat_iters)  # what polling reaches at best, no loop
+                for q, label in ((50, "p50"), (99, "p99")):
+                    rows.append(Row(t, f"4 KiB pull {label}", "4 KiB", _pct(lat, q), _pct(plat, q), "us",
+                                    "raw socket, polled"))
             await dd.finalize()
         raw.close()
     finally:
@@ -322,6 +354,39 @@ class _RawSocket:
             _recv_all(self.sock, mv)
             if i >= 200:
                 out.append(time.perf_counter() - t0)
+        return out
+
+    def polled_latency(self, iters: int) -> list[float]:
+        """The same exchange with both sides spinning on non-blocking sockets: the floor under any
+        Python library that polls for a small reply (no sleep, no wake-up, no event loop)."""
+        out = []
+        sock = self.sock
+        req = _RAW.pack(3, LAT_BLOCK, 0)
+        mv = self.buf[:LAT_BLOCK]
+        sock.sendall(_RAW.pack(6, iters + 200, 0))
+        sock.setblocking(False)
+        try:
+            for i in range(iters + 200):
+                t0 = time.perf_counter()
+                sent = 0
+                while sent < len(req):
+                    try:
+                        sent += sock.send(req[sent:])
+                    except BlockingIOError:
+                        continue
+                got = 0
+                while got < LAT_BLOCK:
+                    try:
+                        n = sock.recv_into(mv[got:])
+                    except BlockingIOError:
+                        continue
+                    if not n:
+                        raise ConnectionError("raw peer closed")
+                    got += n
+                if i >= 200:
+                    out.append(time.perf_counter() - t0)
+        finally:
+            sock.setblocking(True)
         return out
 
 

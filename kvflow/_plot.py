@@ -85,7 +85,9 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
         ax.text(0.5, 0.5, "no throughput rows", ha="center", va="center", transform=ax.transAxes)
     ax.set_title(title or "kvflow bench: throughput against block size")
     if axl is not None:
-        labels = [f"{r.transport}\n{r.op.split()[-1]}" for r in lat]
+        # a row against a second baseline of the same figure says which ("awaited", "polled")
+        labels = [f"{r.transport}\n{r.op.split()[-1]}" + "".join(f"\n{q}" for q in r.baseline.split(", ")[1:])
+                  for r in lat]
         pos = list(range(len(lat)))
         w = 0.38
         assert axl is not None
