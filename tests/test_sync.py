@@ -100,6 +100,17 @@ def link(dd: kvflow.sync.LlmDataDist, peer: Peer) -> None:
 
 
 @pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Python's own SIGINT handler for the test, whatever the run inherited: a shell starts background
+    jobs (`pytest ... &`) with SIGINT ignored, and Python then keeps it ignored, so no Ctrl-C would arrive."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture
 def sdd(peer: Peer) -> Iterator[kvflow.sync.LlmDataDist]:
     """A sync LlmDataDist (cluster 2) linked to the peer."""
     dd = new_sync(peer)
@@ -472,6 +483,7 @@ def test_close_fails_calls_in_flight(peer: Peer) -> None:
     wait_peer_dropped(peer)
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_in_a_blocking_call_cancels_the_operation(sdd: kvflow.sync.LlmDataDist, peer: Peer) -> None:
     rid = peer_register(peer, DESC, 1500)
     arrs = zeros(DESC)
@@ -708,6 +720,7 @@ def test_cancelling_a_submitted_pull_returns_once_no_byte_of_it_can_land(
         dd.close()
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_in_a_blocking_pull_returns_once_no_byte_of_it_can_land(
         faulting_peer: tuple[Any, dict[str, Any]]) -> None:
     """Ctrl-C (SIGINT to the calling thread) during a blocking pull stalled in the peer's page fault:
