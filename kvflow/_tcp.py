@@ -401,25 +401,128 @@ class TcpChannel(CacheUser):
     def now_rows(self, kind: int, rows: list[list[int]], local: LocalCache,
                  cache_id: int) -> tuple[int, int] | Started | None:
         """``now`` of a batch given as its table's five rows of Python ints (``RunBatch.ROWS``), the
-        peer's cache by id: tiny plans skip numpy. The caller has checked that the channel is idle."""
+        peer's cache by id: tiny plans skip numpy. The caller has checked that the channel is idle.
+
+        The usual exchange makes no request object: one ``sendmsg`` takes the whole frame, the
+        reply's header is read straight into the reader's header buffer, and a reply that is ours,
+        successful and of the expected size has its payload read into the destination at once.
+        Anything else (a short send, a late or failed reply, a partial payload, the peer's own
+        request first) registers the request as the queue would have, hands what was read to
+        the reader's state machine, and goes on as the ordinary path."""
         n = len(rows[2])
         if n > SMALL_RUNS or sum(rows[2]) > POLL_BYTES:
             return None
         req_id = self._next_id
         self._next_id += 1
         payload, head, nbytes = _wire_small(kind, req_id, cache_id, rows, local)
-        xfer = _Transfer(self._loop.create_future(), 1)
-        op = self._queue(kind, req_id, payload, head, nbytes, n, xfer, local)
-        self._admit()
-        fut, read, clock = xfer.fut, self._on_readable, time.perf_counter
+        read = kind == READ_REQ
+        sock, clock = self._sock, time.perf_counter
         until = clock() + self._inline_poll
+        try:
+            sent = sock.sendmsg([head] if read else [head, *payload])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            lost = LLMLinkFailed(f"data connection send failed: {exc}")
+            self._fail(lost)
+            raise lost from exc
+        whole = sent == len(head) + (0 if read else nbytes)
+        got = 0  # bytes of the next frame's header read here
+        if whole:
+            try:
+                while True:
+                    try:
+                        got = sock.recv_into(self._hdr_mv, _HDR_SIZE)
+                    except (BlockingIOError, InterruptedError):
+                        if clock() > until:
+                            break  # late: the loop below waits for it
+                        continue
+                    if got == 0:
+                        raise ConnectionResetError("peer closed the data connection")
+                    break
+                if got == _HDR_SIZE:
+                    rsp, _flags, _res, _count, rid, arg, total = HDR.unpack(self._hdr)
+                    if rid == req_id and arg == 0 and rsp == (READ_RSP if read else WRITE_RSP) \
+                            and total == (nbytes if read else 0):
+                        if not read:
+                            return nbytes, n
+                        rest = self._payload_now(payload)
+                        if rest == total:
+                            return nbytes, n
+                        xfer, op = self._begun(kind, req_id, payload, head, nbytes, n, local, sent)
+                        del self._pending[req_id]  # as the reader does once it has a response's header
+                        self._read_rest(op, payload, total, rest)
+                        got = -1
+            except OSError as exc:
+                xfer, op = self._begun(kind, req_id, payload, head, nbytes, n, local, sent)
+                if got == _HDR_SIZE:  # inside our reply's payload: the teardown fails the request from here
+                    del self._pending[req_id]
+                    self._payload_op = op
+                self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
+                got = -1
+        if got >= 0:
+            xfer, op = self._begun(kind, req_id, payload, head, nbytes, n, local, sent)
+            if got == _HDR_SIZE:  # not the reply we hoped for: the reader takes the frame from its header
+                try:
+                    self._on_header()
+                except LLMException as exc:
+                    self._fail(exc)
+                except OSError as exc:
+                    self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
+            else:
+                self._got = got
+        fut, read_more = xfer.fut, self._on_readable
         while not fut.done():
             if clock() > until:
                 self._expect_soon()
                 return Started(self.wait(xfer, [op]), nbytes, n)
-            read()
+            read_more()
         fut.result()  # its typed error, if the peer refused it or the link broke
         return nbytes, n
+
+    def _payload_now(self, dests: list[memoryview]) -> int:
+        """Bytes of a small reply's payload that one ``recvmsg_into`` put in ``dests`` (0 when none
+        had come yet); OSError once the peer closed."""
+        try:
+            got = self._sock.recvmsg_into(dests)[0]
+        except (BlockingIOError, InterruptedError):
+            return 0
+        if got == 0:
+            raise ConnectionResetError("peer closed the data connection")
+        return got
+
+    def _begun(self, kind: int, req_id: int, payload: list[memoryview], head: bytes, nbytes: int, runs: int,
+               local: LocalCache, sent: int) -> tuple[_Transfer, _Op]:
+        """Register a request ``now_rows`` began, ``sent`` bytes of its frame already with the
+        kernel, as ``_queue`` and ``_admit`` would have: admitted and pending, the rest queued."""
+        xfer = _Transfer(self._loop.create_future(), 1)
+        op = self._queue(kind, req_id, payload, head, nbytes, runs, xfer, local)
+        if not sent:
+            self._admit()
+            return xfer, op
+        assert self._backlog[-1] is op
+        self._backlog.pop()
+        op.state = _OP_OUT
+        self._out_frames += 1
+        self._out_runs += runs
+        self._pending[req_id] = op
+        out = op.out
+        assert out is not None
+        if sent == sum(map(len, out.bufs)):
+            self._dropped(out)  # wholly sent: a write's pin goes (nothing of it is queued)
+        else:
+            self._send_rest(out, sent)
+        return xfer, op
+
+    def _send_rest(self, out: _Out, sent: int) -> None:
+        """Queue ``out``, whose first ``sent`` bytes a direct ``sendmsg`` already gave the kernel: the
+        rest goes out from the queue, and a frame begun on the wire can no longer be dropped or
+        replaced (``abandon``, ``revoke``)."""
+        if sent:
+            out.cursor = cur = _Cursor(out.bufs)
+            cur.advance(sent)
+            out.idx = 0
+        self._send(out)
 
     async def wait(self, xfer: _Transfer, ops: list[_Op]) -> None:
         """Wait for ``xfer``; a caller that gives up abandons ``ops`` (no late byte lands)."""
@@ -814,11 +917,7 @@ class TcpChannel(CacheUser):
             got = 0
             if type(dests) is list and 0 < total <= POLL_BYTES:  # a small payload, most often here already
                 try:
-                    got = self._sock.recvmsg_into(dests)[0]
-                    if got == 0:
-                        raise ConnectionResetError("peer closed the data connection")
-                except (BlockingIOError, InterruptedError):
-                    pass
+                    got = self._payload_now(dests)
                 except OSError:
                     self._payload_op = op  # out of _pending already: the teardown fails it from here
                     raise
@@ -826,15 +925,7 @@ class TcpChannel(CacheUser):
                     op.xfer.frame_done()
                     self._retire(op)
                     return
-
-            def read_done(op: _Op = op) -> None:
-                op.xfer.frame_done()
-                self._retire(op)
-
-            self._expect_payload(dests, total, read_done, op)
-            if got:
-                self._left -= got
-                self._rx.advance(got)
+            self._read_rest(op, dests, total, got)
         elif kind == WRITE_RSP:
             op = self._pending.pop(req_id, None)
             if op is None or op.kind != WRITE_REQ:
@@ -849,6 +940,19 @@ class TcpChannel(CacheUser):
             self._retire(op)
         else:
             self._protocol_error(f"unknown frame kind {kind}")
+
+    def _read_rest(self, op: _Op, dests: Payload | None, total: int, got: int) -> None:
+        """The reader's payload state takes over our read ``op``'s reply, ``got`` of its ``total``
+        payload bytes already in ``dests`` (None: discard it, the caller gave up)."""
+
+        def read_done(op: _Op = op) -> None:
+            op.xfer.frame_done()
+            self._retire(op)
+
+        self._expect_payload(dests, total, read_done, op)
+        if got:
+            self._left -= got
+            self._rx.advance(got)
 
     def _check(self, cache_id: int, count: int, total: int) -> tuple[LocalCache, Payload]:
         """The named cache and the runs of the peer's request in it, every run checked."""
@@ -906,13 +1010,19 @@ class TcpChannel(CacheUser):
                     served()
                     return
             local.pin(self)
-            out = _Out([head], views, on_done=served, pinned=local, rsp_req=req_id)
-            if sent:  # the rest goes out from the queue; it can no longer be taken back (revoke)
-                out.cursor = cur = _Cursor(out.bufs)
-                cur.advance(sent)
-                out.idx = 0
-            self._send(out)
+            self._send_rest(_Out([head], views, on_done=served, pinned=local, rsp_req=req_id), sent)
         else:
+            got = 0
+            if type(views) is list and total <= POLL_BYTES:  # a small write, most often all here already
+                got = self._payload_now(views)
+                if got == total:  # landed whole in the one call: answer it, ahead of the queue if we may
+                    rsp_head = HDR.pack(WRITE_RSP, 0, 0, 0, req_id, 0, 0)
+                    sent = self._offer([rsp_head]) if not self._sendq and self._tx_job is None else 0
+                    if sent == _HDR_SIZE:
+                        served()
+                    else:
+                        self._send_rest(_Out([rsp_head], on_done=served), sent)
+                    return
             local.pin(self)
             rsp = self._write_rsp(req_id, 0, served)
 
@@ -922,6 +1032,9 @@ class TcpChannel(CacheUser):
 
             self._expect_payload(views, total, done, pin=local, req_id=req_id)
             self._payload_served = served
+            if got:
+                self._left -= got
+                self._rx.advance(got)
 
     # ---------------------------------------------------------------- teardown
     def _fail(self, exc: BaseException) -> None:

@@ -322,10 +322,12 @@ async def test_large_frames_with_and_without_the_iovec_path(tcp_peer: Peer, iov_
 
 
 # ---------------------------------------------------------------------- a small reply in pieces
-def _raw_peer(desc: CacheDesc, arr: np.ndarray) -> tuple[LocalCache, Any, Any, Any, list[BaseException]]:
-    """``arr`` registered as ``desc``; a TcpChannel on our end of a loopback connection and a raw
-    non-blocking socket at the peer's (the loop's sock_recv would block on a blocking one). Returns
-    the cache, our socket, the peer's, the channel and the list its broken-link callback fills."""
+def _raw_peer(desc: CacheDesc, arr: np.ndarray,
+              inline_poll: float = 0.0) -> tuple[LocalCache, Any, Any, Any, list[BaseException]]:
+    """``arr`` registered as ``desc``; a TcpChannel on our end of a loopback connection (reading a
+    small reply inside ``now_rows`` for up to ``inline_poll`` s) and a raw non-blocking socket at the
+    peer's (the loop's sock_recv would block on a blocking one). Returns the cache, our socket, the
+    peer's, the channel and the list its broken-link callback fills."""
     import socket
 
     from kvflow._tcp import TcpChannel
@@ -338,7 +340,7 @@ def _raw_peer(desc: CacheDesc, arr: np.ndarray) -> tuple[LocalCache, Any, Any, A
     lsock.close()
     peer.setblocking(False)
     broken: list[BaseException] = []
-    return local, ours, peer, TcpChannel(ours, reg, broken.append, 0.0, workers=None), broken
+    return local, ours, peer, TcpChannel(ours, reg, broken.append, inline_poll, None, inline_poll=inline_poll), broken
 
 
 @pytest.mark.asyncio
@@ -439,5 +441,172 @@ async def test_a_small_reply_is_offered_whole_and_the_queue_sends_what_the_offer
         assert offers == ([] if taken is None else [taken])
         assert local.inflight == 0 and not local.pins and not ch._sendq and not broken
     finally:
+        ch.close()
+        peer.close()
+
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first, taken", [(4096, None), (4096, 0), (4096, 10), (1000, None)],
+                         ids=["whole", "answer-queued", "answer-in-part", "payload-in-pieces"])
+async def test_a_small_write_of_the_peers_lands_and_is_answered_once(first: int, taken: int | None) -> None:
+    """A peer's small write is read with its run table and answered at once, ahead of the queue. The
+    raw peer sends the header, runs and ``first`` payload bytes, the rest 50 ms later; ``taken``
+    stands in for the kernel taking none or 10 bytes of the answer (as in the read test above). The
+    block holds exactly the peer's bytes, one answer comes back, and nothing stays pinned."""
+    import struct
+
+    from kvflow._tcp import HDR, WRITE_REQ, WRITE_RSP
+
+    arr = np.random.default_rng(6).integers(0, 256, 16 * 4096, dtype=np.uint8)
+    before = arr.copy()
+    local, ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr)
+    offers: list[int] = []
+    if taken is not None:
+        def offer(bufs: list[Any]) -> int:
+            offers.append(ours.send(b"".join(bufs)[:taken]) if taken else 0)
+            return offers[-1]
+
+        ch._offer = offer  # type: ignore[method-assign]
+    payload = np.random.default_rng(first).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    try:
+        async with asyncio.timeout(10):
+            runs = struct.pack("<2Q", int(arr.ctypes.data) + 7 * 4096, 4096)
+            peer.sendall(HDR.pack(WRITE_REQ, 0, 0, 1, 5, local.cache_id, 4096) + runs + payload[:first])
+            await asyncio.sleep(0.05)
+            peer.sendall(payload[first:])
+            got = b""
+            while len(got) < HDR.size:
+                got += await asyncio.get_running_loop().sock_recv(peer, 1 << 16)
+            await asyncio.sleep(0.05)
+            with pytest.raises(BlockingIOError):
+                peer.recv(1)  # one answer, nothing after it
+        assert HDR.unpack(got) == (WRITE_RSP, 0, 0, 0, 5, 0, 0)
+        assert arr[7 * 4096 : 8 * 4096].tobytes() == payload
+        others = np.r_[0 : 7 * 4096, 8 * 4096 : 16 * 4096]
+        assert np.array_equal(arr[others], before[others])
+        assert offers == ([] if taken is None else [taken])
+        assert local.inflight == 0 and not local.pins and not ch._sendq and not broken
+        assert ch._serving_frames == 0 and ch._state == 0
+    finally:
+        ch.close()
+        peer.close()
+
+
+# ---------------------------------------------------------------------- the exchange inside the call
+def _recv_exact(sock: Any, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        part = sock.recv(n - len(got))
+        if not part:
+            raise ConnectionResetError("closed")
+        got += part
+    return got
+
+
+class _ShortSends:
+    """Our socket, except that its first ``sendmsg`` hands the kernel only ``first`` bytes (really
+    sent): the rest of that frame must go out from the channel's queue. A short send cannot be
+    arranged to the byte on loopback, hence this stand-in around the real socket."""
+
+    def __init__(self, sock: Any, first: int) -> None:
+        self._sock, self._first = sock, first
+
+    def sendmsg(self, bufs: list[Any]) -> int:
+        if self._first is None:
+            return int(self._sock.sendmsg(bufs))
+        n, self._first = self._sock.send(b"".join(bufs)[: self._first]), None
+        return int(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["whole", "in-pieces", "peer-request-first", "refused", "closed-after-header",
+                                 "push-whole", "push-refused", "push-short-send"])
+async def test_a_small_transfer_inside_the_call_against_a_raw_peer(how: str) -> None:
+    """``now_rows`` with a 2 s inline window against a raw peer thread that answers as ``how`` says.
+    The usual exchange makes no request object; every other answer hands over to the reader's state
+    machine inside the same call: the block holds exactly the peer's bytes (or is untouched when the
+    peer refused or went away), errors are typed, and nothing stays in flight."""
+    import struct
+    import threading
+
+    from kvflow import LLMKvCacheNotExist, LLMLinkFailed, LLMStatusCode
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP, WRITE_REQ, WRITE_RSP
+
+    push = how.startswith("push")
+    arr = np.random.default_rng(3).integers(0, 256, 16 * 4096, dtype=np.uint8)
+    before = arr.copy()
+    local, ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr, 2.0)
+    if how == "push-short-send":
+        ch._sock = _ShortSends(ours, 1000)
+    payload = np.random.default_rng(4).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    seen: dict[str, Any] = {}
+    refused = int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+    def answer() -> None:
+        peer.setblocking(True)
+        peer.settimeout(10)
+        try:
+            request = _recv_exact(peer, HDR.size + 16)
+            kind, _f, _r, count, req_id, cache_id, total = HDR.unpack(request[: HDR.size])
+            seen["request"] = (kind, count, cache_id, total, struct.unpack("<2Q", request[HDR.size :]))
+            if push:
+                seen["pushed"] = _recv_exact(peer, total)
+                peer.sendall(HDR.pack(WRITE_RSP, 0, 0, 0, req_id, refused if how == "push-refused" else 0, 0))
+            elif how == "whole":
+                peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, 4096) + payload)
+            elif how == "in-pieces":
+                peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, 4096) + payload[:1000])
+                time.sleep(0.02)
+                peer.sendall(payload[1000:])
+            elif how == "peer-request-first":  # the peer reads our block 5 before it answers us
+                runs = struct.pack("<2Q", int(arr.ctypes.data) + 5 * 4096, 4096)
+                peer.sendall(HDR.pack(READ_REQ, 0, 0, 1, 77, local.cache_id, 4096) + runs)
+                seen["served"] = _recv_exact(peer, HDR.size + 4096)
+                peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, 4096) + payload)
+            elif how == "refused":
+                peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, refused, 0))
+            else:  # closed-after-header
+                peer.sendall(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, 4096))
+                peer.close()
+        except BaseException as exc:  # the test reports it
+            seen["error"] = exc
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        rows = [[int(arr.ctypes.data) + 3 * 4096], [0x5000], [4096], [0], [0]]
+        if how in ("refused", "push-refused"):
+            with pytest.raises(LLMKvCacheNotExist):
+                ch.now_rows(WRITE_REQ if push else READ_REQ, rows, local, 9)
+        elif how == "closed-after-header":
+            with pytest.raises(LLMLinkFailed, match="closed"):
+                ch.now_rows(READ_REQ, rows, local, 9)
+        else:
+            assert ch.now_rows(WRITE_REQ if push else READ_REQ, rows, local, 9) == (4096, 1)
+        thread.join(10)
+        assert "error" not in seen, seen
+        assert seen["request"] == (WRITE_REQ if push else READ_REQ, 1, 9, 4096, (0x5000, 4096))
+        block = arr[3 * 4096 : 4 * 4096].tobytes()
+        if push:
+            assert seen["pushed"] == before[3 * 4096 : 4 * 4096].tobytes()
+        elif how in ("refused", "closed-after-header"):
+            assert block == before[3 * 4096 : 4 * 4096].tobytes()  # nothing landed
+        else:
+            assert block == payload
+        if how == "peer-request-first":
+            assert HDR.unpack(seen["served"][: HDR.size])[:6] == (READ_RSP, 0, 0, 0, 77, 0)
+            assert seen["served"][HDR.size :] == before[5 * 4096 : 6 * 4096].tobytes()
+        others = np.r_[0 : 3 * 4096, 4 * 4096 : 16 * 4096]
+        assert np.array_equal(arr[others], before[others])  # no byte outside the block moved
+        assert bool(broken) is (how == "closed-after-header")
+        assert not ch._pending and not ch._sendq and local.inflight == 0
+        if not broken:  # (a closed channel keeps its counts: nothing is sent on it again)
+            assert ch._out_frames == 0 and ch._state == 0 and ch._got == 0  # the reader awaits a header
+    finally:
+        thread.join(10)
         ch.close()
         peer.close()
