@@ -31,7 +31,8 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
 
     Left: throughput (GiB/s) against block size, one solid line per (transport, op), each with its
     raw baseline dashed in the same colour; a scattered block list is marked with an open marker.
-    Middle (when latency rows are present): 4 KiB pull latency p50/p99, kvflow beside its baseline.
+    Middle (when latency rows are present): 4 KiB pull and push latency p50/p99, kvflow beside its
+    baseline.
     Right (when rows were ticked): how late a 1 ms ticker fired on both sides' loops (``panels``)."""
     try:
         import matplotlib
@@ -86,7 +87,7 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
     ax.set_title(title or "kvflow bench: throughput against block size")
     if axl is not None:
         # a row against a second baseline of the same figure says which ("awaited", "polled")
-        labels = [f"{r.transport}\n{r.op.split()[-1]}" + "".join(f"\n{q}" for q in r.baseline.split(", ")[1:])
+        labels = [f"{r.transport}\n{' '.join(r.op.split()[2:])}" + "".join(f"\n{q}" for q in r.baseline.split(", ")[1:])
                   for r in lat]
         pos = list(range(len(lat)))
         w = 0.38
@@ -95,7 +96,7 @@ def plot_rows(rows: Sequence[Any], path: str, title: str | None = None) -> str:
         axl.bar([x + w / 2 for x in pos], [r.raw for r in lat], w, label="baseline", color=colors[7])
         axl.set_xticks(pos, labels, fontsize="small")
         axl.set_ylabel("latency (us)")
-        axl.set_title("4 KiB pull latency")
+        axl.set_title("4 KiB pull and push latency")
         axl.legend(fontsize="small")
         axl.grid(True, axis="y", alpha=0.3)
     if axt is not None:

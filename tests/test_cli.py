@@ -112,10 +112,12 @@ def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
     scattered = [row for row in rows if row["baseline"] == "raw socket, scattered"]
     assert {row["op"] for row in scattered} == {"pull", "push"}
     assert all(row["block"] == "16 KiB scattered" for row in scattered)
-    # the 4 KiB latency stands beside a blocking, an awaited and a polled raw exchange
+    # the 4 KiB pull latency stands beside a blocking, an awaited and a polled raw exchange; the push
+    # latency beside the blocking one
     lat_bases = {(row["op"], row["baseline"]) for row in rows if row["unit"] == "us"}
     assert {("4 KiB pull p50", "raw socket"), ("4 KiB pull p50", "raw socket, awaited"),
-            ("4 KiB pull p50", "raw socket, polled"), ("4 KiB pull p99", "raw socket, polled")} <= lat_bases
+            ("4 KiB pull p50", "raw socket, polled"), ("4 KiB pull p99", "raw socket, polled"),
+            ("4 KiB push p50", "raw socket, a read"), ("4 KiB push p99", "raw socket, a read")} <= lat_bases
     # every throughput row also ran with a 1 ms ticker on both loops and says how late it fired
     for row in rows:
         if row["unit"] == "GiB/s":
