@@ -113,6 +113,8 @@ class Link:
         self.endpoint: Endpoint | None = None
         self.error: BaseException | None = None
         self.remotes: dict[int, RemoteCache] = {}
+        # the engine's metric series (OpStats) of this link, by op; Any because _metrics imports this module
+        self.counters: dict[str, Any] = {}
         self._loop = asyncio.get_running_loop()
         self._reader = reader
         self._writer = writer
