@@ -343,6 +343,19 @@ def _raw_peer(desc: CacheDesc, arr: np.ndarray,
     return local, ours, peer, TcpChannel(ours, reg, broken.append, inline_poll, None, inline_poll=inline_poll), broken
 
 
+def _kernel_takes(ch: Any, ours: Any, taken: int | None) -> list[int]:
+    """Unless ``taken`` is None, the channel's direct ``sendmsg`` of an answer really sends only its
+    first ``taken`` bytes, as a full send buffer would; returns the list of what each offer sent."""
+    offers: list[int] = []
+    if taken is not None:
+        def offer(bufs: list[Any]) -> int:
+            offers.append(ours.send(b"".join(bufs)[:taken]) if taken else 0)
+            return offers[-1]
+
+        ch._offer = offer
+    return offers
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("first", [0, 1000, 4095], ids=["header-alone", "header-and-1000", "all-but-one-byte"])
 async def test_a_small_reply_that_arrives_in_pieces_lands_whole(first: int) -> None:
@@ -417,13 +430,7 @@ async def test_a_small_reply_is_offered_whole_and_the_queue_sends_what_the_offer
 
     arr = np.random.default_rng(5).integers(0, 256, 16 * 4096, dtype=np.uint8)
     local, ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr)
-    offers: list[int] = []
-    if taken is not None:
-        def offer(bufs: list[Any]) -> int:
-            offers.append(ours.send(b"".join(bufs)[:taken]) if taken else 0)
-            return offers[-1]
-
-        ch._offer = offer  # type: ignore[method-assign]
+    offers = _kernel_takes(ch, ours, taken)
     try:
         async with asyncio.timeout(10):
             base = int(arr.ctypes.data)
@@ -461,13 +468,7 @@ async def test_a_small_write_of_the_peers_lands_and_is_answered_once(first: int,
     arr = np.random.default_rng(6).integers(0, 256, 16 * 4096, dtype=np.uint8)
     before = arr.copy()
     local, ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr)
-    offers: list[int] = []
-    if taken is not None:
-        def offer(bufs: list[Any]) -> int:
-            offers.append(ours.send(b"".join(bufs)[:taken]) if taken else 0)
-            return offers[-1]
-
-        ch._offer = offer  # type: ignore[method-assign]
+    offers = _kernel_takes(ch, ours, taken)
     payload = np.random.default_rng(first).integers(0, 256, 4096, dtype=np.uint8).tobytes()
     try:
         async with asyncio.timeout(10):
@@ -510,7 +511,8 @@ class _ShortSends:
     arranged to the byte on loopback, hence this stand-in around the real socket."""
 
     def __init__(self, sock: Any, first: int) -> None:
-        self._sock, self._first = sock, first
+        self._sock = sock
+        self._first: int | None = first
 
     def sendmsg(self, bufs: list[Any]) -> int:
         if self._first is None:
