@@ -20,13 +20,10 @@ import types
 
 import numpy as np
 import uvloop
+from _bench_pair import bench_pair
 
-from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
-from kvflow._bench import _caches, _serve
 from kvflow._engine import PULL, PUSH
-from kvflow._proc import PeerProcess
 
-TOTAL = 4 << 20
 BLOCK = 2000  # transfers per block
 
 
@@ -41,17 +38,7 @@ def _module_at(rev: str, mod: str) -> types.ModuleType:
 
 async def main(rev: str, transport: str, rounds: int, op: str) -> None:
     old_eng, old_met = _module_at(rev, "_engine"), _module_at(rev, "_metrics")
-    peer = PeerProcess(_serve)
-    desc = dict(_caches(TOTAL))["lat"]
-    try:
-        peer.send({"total": TOTAL, "transports": [transport]})
-        info = await peer.recv(60)
-        await peer.recv(60)
-        remote = CacheIndex(1, info["caches"]["lat"])
-        dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": transport})
-        cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
-        await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
+    async with bench_pair(transport) as (dd, cache, remote, _pid):
         eng = dd._engine
         for i in range(500):
             await dd.pull_kv_blocks(remote, cache, [i % 256], [i % 256])
@@ -79,9 +66,6 @@ async def main(rev: str, transport: str, rounds: int, op: str) -> None:
             print(f"{k} {op}: median of block medians {np.median(a):.3f} us, min {a.min():.3f}")
         diff = np.array(res[rev]) - np.array(res["tree"])
         print(f"{rev} - tree per block: median {np.median(diff):.3f} us, >0 in {int((diff > 0).sum())}/{len(diff)}")
-        await dd.finalize()
-    finally:
-        peer.stop()
 
 
 if __name__ == "__main__":

@@ -20,11 +20,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _bench_pair import bench_pair
 
 import kvflow._tcp as tcp
-from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
-from kvflow._bench import _caches, _serve
-from kvflow._proc import PeerProcess
 from kvflow._run import run
 
 BLOCK = 200
@@ -41,19 +39,8 @@ def _base_now_rows(checkout: str) -> object:
 
 async def main(checkout: str, blocks: int, push: bool) -> None:
     impls = {"base": _base_now_rows(checkout), "this": tcp.TcpChannel.now_rows}
-    peer = PeerProcess(_serve)
-    desc = dict(_caches(4 << 20))["lat"]
-    try:
-        peer.send({"total": 4 << 20, "transports": ["tcp"]})
-        info = await peer.recv(60)
-        await peer.recv(60)  # the raw baseline's details, unused
-        remote = CacheIndex(1, info["caches"]["lat"])
-        dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": "tcp"})
-        cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
-        ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
-        assert ret[0] == 0, ret
-        nb = desc.num_blocks
+    async with bench_pair("tcp") as (dd, cache, remote, _pid):
+        nb = cache.cache_desc.num_blocks
         times: dict[str, list[float]] = {name: [] for name in impls}
         i = 0
         for b in range(blocks):
@@ -74,9 +61,6 @@ async def main(checkout: str, blocks: int, push: bool) -> None:
             a = np.array(v) * 1e6
             print(f"{name} {'push' if push else 'pull'} n={a.size} "
                   f"p50 {np.percentile(a, 50):.2f} p99 {np.percentile(a, 99):.2f}")
-        await dd.finalize()
-    finally:
-        peer.stop()
 
 
 if __name__ == "__main__":

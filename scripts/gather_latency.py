@@ -12,27 +12,13 @@ import asyncio
 import time
 
 import numpy as np
+from _bench_pair import bench_pair
 
-from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
-from kvflow._bench import _caches, _serve
-from kvflow._proc import PeerProcess
 from kvflow._run import run
-
-TOTAL = 4 << 20
 
 
 async def main() -> None:
-    peer = PeerProcess(_serve)
-    desc = dict(_caches(TOTAL))["lat"]
-    try:
-        peer.send({"total": TOTAL, "transports": ["tcp"]})
-        info = await peer.recv(60)
-        await peer.recv(60)  # the raw baseline's details, unused
-        remote = CacheIndex(1, info["caches"]["lat"])
-        dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": "tcp"})
-        cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
-        await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
+    async with bench_pair("tcp") as (dd, cache, remote, _pid):
         lat = []
         for r in range(300):
             t0 = time.perf_counter()
@@ -40,9 +26,6 @@ async def main() -> None:
             lat.append(time.perf_counter() - t0)
         a = np.array(lat[50:]) * 1e6
         print(f"16 concurrent pulls p50 {np.percentile(a, 50):.0f} p99 {np.percentile(a, 99):.0f} us")
-        await dd.finalize()
-    finally:
-        peer.stop()
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ import sys
 import time
 
 import numpy as np
+from _bench_pair import bench_pair
 
-from kvflow import Cache, CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
-from kvflow._bench import _caches, _serve
-from kvflow._proc import PeerProcess
+from kvflow import Cache, CacheIndex, LlmDataDist
 from kvflow._run import run
 
-TOTAL = 4 << 20
 OPTS = dict(a.split("=", 1) for a in sys.argv[3:] if "=" in a)  # kvflow options of this side
 PUSH = "push" in sys.argv[3:]
 EVERY_MS = float(OPTS.pop("every", 0))
@@ -41,21 +39,10 @@ def _cpu_s(pid: int) -> float:
 
 
 async def main(transport: str, n: int) -> None:
-    peer = PeerProcess(_serve)
-    desc = dict(_caches(TOTAL))["lat"]
-    try:
-        peer.send({"total": TOTAL, "transports": [transport]})
-        info = await peer.recv(60)
-        await peer.recv(60)  # the raw baseline's details, unused
-        remote = CacheIndex(1, info["caches"]["lat"])
-        dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": transport, **OPTS})
-        cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
-        ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
-        assert ret[0] == 0, ret
-        nb = desc.num_blocks
+    async with bench_pair(transport, OPTS) as (dd, cache, remote, peer_pid):
+        nb = cache.cache_desc.num_blocks
         if EVERY_MS:
-            await _every(dd, remote, cache, nb, peer.pid, transport)
+            await _every(dd, remote, cache, nb, peer_pid, transport)
             return
         lat = []
         for i in range(500 + n):
@@ -68,9 +55,6 @@ async def main(transport: str, n: int) -> None:
                 lat.append(time.perf_counter() - t0)
         a = np.array(lat) * 1e6
         print(f"{transport} {'push' if PUSH else 'pull'} p50 {np.percentile(a, 50):.2f} p99 {np.percentile(a, 99):.2f}")
-        await dd.finalize()
-    finally:
-        peer.stop()
 
 
 async def _every(dd: LlmDataDist, remote: CacheIndex, cache: Cache, nb: int, peer_pid: int,
@@ -91,7 +75,6 @@ async def _every(dd: LlmDataDist, remote: CacheIndex, cache: Cache, nb: int, pee
     here, there = 100 * (_cpu_s(os.getpid()) - mine) / dt, 100 * (_cpu_s(peer_pid) - theirs) / dt
     print(f"{transport} {n / dt:.0f} {'pushes' if PUSH else 'pulls'}/s: this side {here:.1f} % of a core, "
           f"serving side {there:.1f} %")
-    await dd.finalize()
 
 
 if __name__ == "__main__":
