@@ -33,10 +33,10 @@ async def bench_pair(transport: str, options: dict[str, Any] | None = None
         remote = CacheIndex(1, info["caches"]["lat"])
         dd = LlmDataDist(2, LlmRole.DECODER)
         await dd.initialize({"kvflow.Transports": transport, **(options or {})})
-        cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
-        ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
-        assert ret[0] == 0, ret
         try:
+            cache = await dd.register_kv_cache(desc, [np.zeros(desc.tensor_bytes, np.uint8)])
+            ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
+            assert ret[0] == 0, ret
             yield dd, cache, remote, peer.pid
         finally:
             await dd.finalize()
