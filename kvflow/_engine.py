@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Protocol
 from ._checks import MAX_TIMEOUT_MS, check_int
 from ._deadline import Deadline
 from ._guard import GUARD
-from ._link import Link, LinkState
+from ._link import Link
 from ._links import LinkTable
 from ._memory import LocalCache, Registry
 from ._metrics import Metrics
@@ -25,7 +25,6 @@ from ._types import Cache, CacheIndex
 from .transport import RemoteCache, RunBatch, Started
 
 PULL, PUSH = "pull", "push"
-_LINKED = LinkState.LINKED
 #: Block lists longer than this never take ``blocks_now`` (each entry's type is checked in Python).
 FAST_BLOCKS = 64
 Planner = Callable[[RemoteCache], Plan]
@@ -289,9 +288,8 @@ class TransferEngine:
                     if link.closing or local.closing or link.remotes.get(cache_id) is not remote:
                         return False
                     moved = link.check().blocks_now(direction is PUSH, local, remote, src_blocks, dst_blocks)
-            else:  # link.check() without the call when the link is up
-                moved = (endpoint if link.state is _LINKED else link.check()).blocks_now(
-                    direction is PUSH, local, remote, src_blocks, dst_blocks)
+            else:
+                moved = link.check().blocks_now(direction is PUSH, local, remote, src_blocks, dst_blocks)
         except BaseException as exc:
             if isinstance(exc, LLMKvCacheNotExist):  # a two-sided peer's answer: it no longer has the cache
                 link.forget(cache_id)

@@ -57,7 +57,11 @@ async def main(rev: str, transport: str, rounds: int, op: str) -> None:
                     if eng.turns.owed():
                         await asyncio.sleep(0)
                     t0 = time.perf_counter()
-                    fn(eng, d, remote, cache, [i % 256], [(i * 7) % 256], None, False)
+                    r = fn(eng, d, remote, cache, [i % 256], [(i * 7) % 256], None, False)
+                    if r is False:
+                        raise RuntimeError("blocks_now declined: the A/B needs its fast path")
+                    if r is not True:  # begun, not finished inside the call (tcp's reply came late)
+                        await r
                     lat.append(time.perf_counter() - t0)
                 res[name].append(float(np.median(lat)) * 1e6)
         eng.metrics.__dict__.pop("count", None)

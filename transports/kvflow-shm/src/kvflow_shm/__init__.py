@@ -371,7 +371,6 @@ class ShmEndpoint(Endpoint):
         self._out = ll.scratch()  # for copies on the loop thread
         # (remote, local cache id) -> (local, remote, blocks_now's description or None: never applies)
         self._pairs: dict[tuple[int, int], tuple[LocalCache, RemoteCache, ll.Pair | None]] = {}
-        self._last: tuple[LocalCache, RemoteCache, ll.Pair | None] | None = None  # blocks_now's latest entry
         self._loop_thread = threading.get_ident()
         if pidfd is not None:
             try:
@@ -415,12 +414,9 @@ class ShmEndpoint(Endpoint):
         None when it declines (then the core plans in Python: a typed error, or ``read_now``/``read``)."""
         if self._closed is not None:
             return None  # the core's path raises
-        entry = self._last  # the pair of the previous call, most often this one's
+        entry = self._pairs.get((remote.cache_id, local.cache_id))
         if entry is None or entry[0] is not local or entry[1] is not remote:
-            entry = self._pairs.get((remote.cache_id, local.cache_id))
-            if entry is None or entry[0] is not local or entry[1] is not remote:
-                entry = self._pair(local, remote)
-            self._last = entry
+            entry = self._pair(local, remote)
         pair = entry[2]
         if pair is None:
             return None
@@ -468,9 +464,6 @@ class ShmEndpoint(Endpoint):
         add pairs meanwhile (under GUARD, which the loop does not take here): iterate over a copy."""
         for key in [k for k in list(self._pairs) if k[1] == cache_id]:
             self._pairs.pop(key, None)
-        last = self._last
-        if last is not None and last[0].cache_id == cache_id:
-            self._last = None
 
     async def read(self, batch: RunBatch) -> None:
         await self._run(False, batch)
