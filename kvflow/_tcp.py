@@ -77,6 +77,9 @@ MAX_OUTSTANDING_FRAMES = 256
 MAX_OUTSTANDING_RUNS = 1 << 16
 _SCRATCH = memoryview(bytearray(1 << 20))  # where discarded payload goes (shared: nobody reads it)
 _HDR_SIZE = HDR.size
+#: A header and one run: what the reader asks the socket for when the next frame can only be a
+#: request of the peer's (nothing of ours is pending), so a one-run request takes one ``recv``.
+_HDR_RUN = _HDR_SIZE + RUN.itemsize
 _ST_HDR, _ST_RUNS, _ST_PAYLOAD, _ST_DISCARD = range(4)
 _OP_BACKLOG, _OP_OUT, _OP_DONE = range(3)
 
@@ -325,9 +328,10 @@ class TcpChannel(CacheUser):
         self._closed: BaseException | None = None
         # receive state
         self._state = _ST_HDR
-        self._hdr = bytearray(_HDR_SIZE)
+        self._hdr = bytearray(_HDR_RUN)  # a header, and the first run of a request read with it
         self._hdr_mv = memoryview(self._hdr)
         self._got = 0
+        self._run_got = 0  # bytes of the first run that came in the header's read (_on_header takes them)
         self._cur: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
         self._runs_small = memoryview(bytearray(SMALL_RUNS * RUN.itemsize))
         self._runs_mv = self._runs_small[:0]  # the run table being received
@@ -441,7 +445,7 @@ class TcpChannel(CacheUser):
                         raise ConnectionResetError("peer closed the data connection")
                     break
                 if got == _HDR_SIZE:
-                    rsp, _flags, _res, _count, rid, arg, total = HDR.unpack(self._hdr)
+                    rsp, _flags, _res, _count, rid, arg, total = HDR.unpack_from(self._hdr)
                     if rid == req_id and arg == 0 and rsp == (READ_RSP if read else WRITE_RSP) \
                             and total == (nbytes if read else 0):
                         if not read:
@@ -759,21 +763,29 @@ class TcpChannel(CacheUser):
             while budget > 0:
                 st = self._state
                 if st == _ST_HDR:
-                    n = sock.recv_into(self._hdr_mv[self._got :], _HDR_SIZE - self._got)
+                    got = self._got
+                    # With no request of ours pending, the next frame is a request of the peer's (or a
+                    # protocol error): it has a run after its header, so reading that run too cannot
+                    # take a byte of the frame after it.
+                    want = (_HDR_RUN if not self._pending else _HDR_SIZE) - got
+                    n = sock.recv_into(self._hdr_mv[got:], want)
                     if n == 0:
                         raise ConnectionResetError("peer closed the data connection")
-                    self._got += n
-                    if self._got < _HDR_SIZE:
+                    got += n
+                    if got < _HDR_SIZE:
+                        self._got = got
                         continue
                     self._got = 0
+                    self._run_got = got - _HDR_SIZE
                     self._on_header()
                     if self._state == _ST_HDR:
                         return  # a whole frame: let the loop call again (level-triggered) if more waits
                 elif st == _ST_RUNS:
-                    n = sock.recv_into(self._runs_mv[self._got :])
-                    if n == 0:
-                        raise ConnectionResetError("peer closed the data connection")
-                    self._got += n
+                    if self._got < len(self._runs_mv):  # the first run may have come with the header
+                        n = sock.recv_into(self._runs_mv[self._got :])
+                        if n == 0:
+                            raise ConnectionResetError("peer closed the data connection")
+                        self._got += n
                     if self._got == len(self._runs_mv):
                         self._got = 0
                         self._on_runs()
@@ -883,8 +895,9 @@ class TcpChannel(CacheUser):
         raise LLMLinkFailed(f"protocol error from peer: {what}")
 
     def _on_header(self) -> None:
-        kind, _flags, _res, count, req_id, arg, total = HDR.unpack(self._hdr)
+        kind, _flags, _res, count, req_id, arg, total = HDR.unpack_from(self._hdr)
         self._cur = (kind, count, req_id, arg, total)
+        run_got, self._run_got = self._run_got, 0
         if kind in (READ_REQ, WRITE_REQ):
             if not 0 < count <= MAX_RUNS or total > MAX_FRAME_BYTES:
                 self._protocol_error(f"request with {count} runs / {total} bytes")
@@ -898,8 +911,11 @@ class TcpChannel(CacheUser):
                 self._runs_mv = self._runs_small[: count * RUN.itemsize]
             else:
                 self._runs_mv = memoryview(bytearray(count * RUN.itemsize))
-            self._got = 0
+            self._runs_mv[:run_got] = self._hdr_mv[_HDR_SIZE : _HDR_SIZE + run_got]
+            self._got = run_got
             self._state = _ST_RUNS
+        elif run_got:  # not reachable from a peer that keeps the protocol: nothing of ours was pending
+            self._protocol_error(f"frame of kind {kind} while no request of ours was pending")
         elif kind == READ_RSP:
             op = self._pending.pop(req_id, None)
             if op is None or op.kind != READ_REQ:

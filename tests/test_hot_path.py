@@ -494,6 +494,76 @@ async def test_a_small_write_of_the_peers_lands_and_is_answered_once(first: int,
         peer.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("runs", [1, 2])
+@pytest.mark.parametrize("split", [None, 8, 32, 40, 48], ids=["whole", "in-header", "after-header", "in-first-run",
+                                                              "after-first-run"])
+async def test_requests_read_with_their_first_run_are_served_in_order(runs: int, split: int | None) -> None:
+    """With nothing of ours pending, the reader asks the socket for a header and a run at once. A
+    raw peer sends a read request of ``runs`` runs cut at byte ``split`` (the rest 50 ms later),
+    with a second one-run request straight behind it: both are answered in order, each with
+    exactly its blocks, and the reader ends waiting for a header with nothing left over."""
+    import struct
+
+    from kvflow._tcp import HDR, READ_REQ, READ_RSP
+
+    arr = np.random.default_rng(7).integers(0, 256, 16 * 4096, dtype=np.uint8)
+    local, _ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [16, 4096]), arr)
+    base = int(arr.ctypes.data)
+    blocks = [2, 9][:runs]
+    first = HDR.pack(READ_REQ, 0, 0, runs, 1, local.cache_id, 4096 * runs) + b"".join(
+        struct.pack("<2Q", base + b * 4096, 4096) for b in blocks)
+    second = HDR.pack(READ_REQ, 0, 0, 1, 2, local.cache_id, 4096) + struct.pack("<2Q", base + 13 * 4096, 4096)
+    try:
+        async with asyncio.timeout(10):
+            cut = len(first) if split is None else split
+            peer.sendall(first[:cut])
+            await asyncio.sleep(0.05)
+            peer.sendall(first[cut:] + second)
+            want = (HDR.size + 4096 * runs) + (HDR.size + 4096)
+            got = b""
+            while len(got) < want:
+                got += await asyncio.get_running_loop().sock_recv(peer, 1 << 17)
+            await asyncio.sleep(0.05)
+            with pytest.raises(BlockingIOError):
+                peer.recv(1)  # two answers, nothing after them
+        one = HDR.size + 4096 * runs
+        assert HDR.unpack(got[: HDR.size]) == (READ_RSP, 0, 0, 0, 1, 0, 4096 * runs)
+        assert got[HDR.size : one] == b"".join(arr[b * 4096 : (b + 1) * 4096].tobytes() for b in blocks)
+        assert HDR.unpack(got[one : one + HDR.size]) == (READ_RSP, 0, 0, 0, 2, 0, 4096)
+        assert got[one + HDR.size :] == arr[13 * 4096 : 14 * 4096].tobytes()
+        assert not broken and ch._state == 0 and ch._got == 0 and ch._run_got == 0
+        assert ch._serving_frames == 0 and local.inflight == 0
+    finally:
+        ch.close()
+        peer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_response_to_nothing_read_with_a_run_breaks_the_link() -> None:
+    """Attack: a peer sends a write response when nothing of ours is pending, followed by 16 bytes
+    that the reader takes in the same ``recv`` as the header. The link breaks with a protocol
+    error, the connection closes with no reply sent, and our memory is untouched."""
+    from kvflow import LLMLinkFailed
+    from kvflow._tcp import HDR, WRITE_RSP
+
+    arr = np.random.default_rng(8).integers(0, 256, 4096, dtype=np.uint8)
+    before = arr.copy()
+    local, _ours, peer, ch, broken = _raw_peer(CacheDesc(1, DataType.DT_UINT8, [1, 4096]), arr)
+    try:
+        peer.sendall(HDR.pack(WRITE_RSP, 0, 0, 0, 3, 0, 0) + bytes(range(16)))
+        async with asyncio.timeout(10):
+            while not broken:
+                await asyncio.sleep(0.01)
+        assert isinstance(broken[0], LLMLinkFailed) and "protocol error" in str(broken[0])
+        assert np.array_equal(arr, before) and local.inflight == 0
+        async with asyncio.timeout(10):
+            assert await asyncio.get_running_loop().sock_recv(peer, 1) == b""  # closed, nothing sent first
+    finally:
+        ch.close()
+        peer.close()
+
+
 # ---------------------------------------------------------------------- the exchange inside the call
 def _recv_exact(sock: Any, n: int) -> bytes:
     got = b""
