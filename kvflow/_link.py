@@ -46,6 +46,7 @@ class LinkState(enum.Enum):
 # against 14 for a global): ``check()`` runs once per transfer.
 _LINKED = LinkState.LINKED
 
+
 class StreamChannel(LinkChannel):
     """LinkChannel over the peer's listen port: the initiator dials, the acceptor waits for a token."""
 

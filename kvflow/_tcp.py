@@ -331,7 +331,6 @@ class TcpChannel(CacheUser):
         self._hdr = bytearray(_HDR_RUN)  # a header, and the first run of a request read with it
         self._hdr_mv = memoryview(self._hdr)
         self._got = 0
-        self._run_got = 0  # bytes of the first run that came in the header's read (_on_header takes them)
         self._cur: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
         self._runs_small = memoryview(bytearray(SMALL_RUNS * RUN.itemsize))
         self._runs_mv = self._runs_small[:0]  # the run table being received
@@ -776,8 +775,7 @@ class TcpChannel(CacheUser):
                         self._got = got
                         continue
                     self._got = 0
-                    self._run_got = got - _HDR_SIZE
-                    self._on_header()
+                    self._on_header(got - _HDR_SIZE)
                     if self._state == _ST_HDR:
                         return  # a whole frame: let the loop call again (level-triggered) if more waits
                 elif st == _ST_RUNS:
@@ -894,10 +892,12 @@ class TcpChannel(CacheUser):
     def _protocol_error(self, what: str) -> None:
         raise LLMLinkFailed(f"protocol error from peer: {what}")
 
-    def _on_header(self) -> None:
+    def _on_header(self, run_got: int = 0) -> None:
+        """Act on the header in ``_hdr``; ``run_got`` bytes of a request's first run follow it there.
+        Those only come when nothing of ours was pending, and then any frame but a request is a
+        response to nothing, which the branches below refuse."""
         kind, _flags, _res, count, req_id, arg, total = HDR.unpack_from(self._hdr)
         self._cur = (kind, count, req_id, arg, total)
-        run_got, self._run_got = self._run_got, 0
         if kind in (READ_REQ, WRITE_REQ):
             if not 0 < count <= MAX_RUNS or total > MAX_FRAME_BYTES:
                 self._protocol_error(f"request with {count} runs / {total} bytes")
@@ -914,8 +914,6 @@ class TcpChannel(CacheUser):
             self._runs_mv[:run_got] = self._hdr_mv[_HDR_SIZE : _HDR_SIZE + run_got]
             self._got = run_got
             self._state = _ST_RUNS
-        elif run_got:  # not reachable from a peer that keeps the protocol: nothing of ours was pending
-            self._protocol_error(f"frame of kind {kind} while no request of ours was pending")
         elif kind == READ_RSP:
             op = self._pending.pop(req_id, None)
             if op is None or op.kind != READ_REQ:
