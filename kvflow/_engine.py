@@ -17,7 +17,7 @@ from ._guard import GUARD
 from ._link import Link
 from ._links import LinkTable
 from ._memory import LocalCache, Registry
-from ._metrics import Metrics
+from ._metrics import LOG_FOLD, Metrics
 from ._metrics import now as metrics_now
 from ._plan import PIECE_RUNS, Plan, Steps, run_steps_async
 from ._status import LLMKvCacheNotExist, LLMTimeoutError
@@ -304,7 +304,10 @@ class TransferEngine:
         series = link.counters.get(direction)
         if series is None:
             series = link.counters[direction] = metrics.series_of(direction, peer, link.transport)
-        metrics.add(series, moved[0], moved[1], metrics_now() - t0)
+        log = series.log  # Metrics.add, inline: this runs once per small transfer
+        log.append((moved, metrics_now() - t0))
+        if len(log) >= LOG_FOLD:
+            metrics.fold(series)
         return True
 
     async def _finish(self, direction: str, ci: CacheIndex, link: Link, local: LocalCache, remote: RemoteCache,

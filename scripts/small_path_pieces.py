@@ -6,7 +6,7 @@ A child serves ``kvflow bench``'s 4 KiB-block cache over shm; this process times
 pulls at each layer, outermost last: the endpoint's C call alone, the endpoint's ``blocks_now``,
 the engine's ``blocks_now`` and the awaited ``pull_kv_blocks``; mean µs, three rounds. Then
 variants of the engine's ``blocks_now`` with one piece left out run in alternating blocks (``no
-add``: without ``Metrics.add``; ``no tracing``: without the tracing check), medians against the
+add``: without the counting; ``no tracing``: without the tracing check), medians against the
 current code. Only a map of the costs: the variants are not correct. shm only: its
 ``blocks_now`` always finishes inside the call, where tcp's and ucx's may return a ``Started``
 that this script would have to await.
@@ -28,7 +28,7 @@ from kvflow._run import run
 N = 20000
 _VARIANTS = {
     "current": ("", ""),
-    "no add": ("    metrics.add(series, moved[0], moved[1], metrics_now() - t0)\n", ""),
+    "no add": ("    log.append((moved, metrics_now() - t0))\n", ""),
     "no tracing": ("if local is None or metrics.tracing:", "if local is None:"),
 }
 

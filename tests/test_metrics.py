@@ -5,6 +5,8 @@ The transfers run between this process and a prefill process (the plugin's ``kvf
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -127,6 +129,51 @@ async def test_link_down_and_layerwise_hook_are_exported(kvflow_pair: KvPair) ->
 def test_finalized_instances_are_not_exported() -> None:
     dd = LlmDataDist(31337)
     assert inspect.metrics(dd) not in metrics_impl.live()  # not initialized
+
+
+@pytest.mark.parametrize("fold_at", [3, metrics_impl.LOG_FOLD])
+def test_counts_from_many_threads_with_reads_meanwhile_are_exact(monkeypatch: pytest.MonkeyPatch,
+                                                                 fold_at: int) -> None:
+    """Transfers are appended to a series' log without a lock and folded in under it: with four
+    threads counting while another keeps reading, no transfer is lost or counted twice, and the
+    histogram holds every one of them. Folding every 3 transfers gives thousands of folds while
+    other threads append; a short switch interval makes the threads interleave finely."""
+    monkeypatch.setattr(metrics_impl, "LOG_FOLD", fold_at)
+    m = metrics_impl.Metrics(7)
+    s = m.series_of("pull", 8, "shm")
+    per_thread, threads = 3 * metrics_impl.LOG_FOLD + 17 if fold_at > 3 else 5000, 4
+    done = threading.Event()
+    reads: list[int] = []
+
+    def count(i: int) -> None:
+        for k in range(per_thread):
+            m.add(s, 4096 + i, 1 + k % 3, 1e-6 * (1 + k % 50))
+
+    def read() -> None:
+        while not done.is_set():
+            reads.append(sum(stats.transfers for *_, stats in m.iter_series()))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns far more often than every 5 ms
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        workers = [threading.Thread(target=count, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        done.set()
+        reader.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    [(_, _, _, got)] = list(m.iter_series())
+    n = per_thread * threads
+    assert got.transfers == n and got.latency.count == n
+    assert got.bytes == sum((4096 + i) * per_thread for i in range(threads))
+    assert got.runs == threads * sum(1 + k % 3 for k in range(per_thread))
+    assert got.latency.sum == pytest.approx(threads * sum(1e-6 * (1 + k % 50) for k in range(per_thread)))
+    assert reads == sorted(reads) and all(r <= n for r in reads)  # reads never go back or overshoot
 
 
 # ---------------------------------------------------------------------- tracing
