@@ -17,7 +17,7 @@ import numpy as np
 
 from ._datadist import LlmDataDist
 from ._proc import PeerProcess, recv_from_parent
-from ._ticker import Ticker
+from ._ticker import FdTicker, Ticker, fd_ticker_available
 from ._types import CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmRole
 
 GiB = 1 << 30
@@ -42,12 +42,17 @@ class Row:
     raw: float
     unit: str
     baseline: str = "raw socket"
-    #: Throughput rows: GiB/s with a 1 ms ticker on both sides' loops, and each side's tick lateness (ms).
+    #: Throughput rows: GiB/s with a 1 ms sleeping ticker on both sides' loops, and each side's tick
+    #: lateness (ms); then, from a second pass with a timerfd ticker (``FdTicker``), its lateness (ms).
     ticked: float | None = None
     late_worst_ms: float | None = None
     late_p99_ms: float | None = None
     peer_late_worst_ms: float | None = None
     peer_late_p99_ms: float | None = None
+    fd_late_worst_ms: float | None = None
+    fd_late_p99_ms: float | None = None
+    peer_fd_late_worst_ms: float | None = None
+    peer_fd_late_p99_ms: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -170,10 +175,11 @@ async def _serve(conn: Connection) -> None:
         servers[t] = dd
         conn.send({"transport": t, "address": dd.listen_address, "caches": ids})
     conn.send({"raw_port": lsock.getsockname()[1], "pid": os.getpid(), "addr": int(buf.ctypes.data)})
-    ticker = Ticker()
-    while True:  # "tick" starts this loop's ticker, "tock" stops it and answers its lateness
+    ticker: Ticker | FdTicker = Ticker()
+    while True:  # "tick" ("tick fd") starts this loop's ticker, "tock" stops it and answers its lateness
         msg = await recv_from_parent(conn)
-        if msg == "tick":
+        if msg in ("tick", "tick fd"):
+            ticker = FdTicker() if msg == "tick fd" else Ticker()
             ticker.start()
         elif msg == "tock":
             conn.send(await ticker.stop())
@@ -212,10 +218,11 @@ async def _kv_throughput(dd: LlmDataDist, remote: CacheIndex, cache: Any, desc: 
     return desc.tensor_bytes / _best(times[1:] if warm else times) / GiB
 
 
-async def _ticked(peer: PeerProcess, run: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """``await run()`` with a 1 ms ticker on this loop and on the peer's; its value and both summaries."""
-    ticker = Ticker()
-    peer.send("tick")
+async def _ticked(peer: PeerProcess, run: Any, fd: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``await run()`` with a 1 ms ticker on this loop and on the peer's (``fd``: an ``FdTicker``);
+    its value and both summaries."""
+    ticker: Ticker | FdTicker = FdTicker() if fd else Ticker()
+    peer.send("tick fd" if fd else "tick")
     ticker.start()
     try:
         value = await run()
@@ -282,6 +289,12 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
                         dd, ci, locals_[name], desc, op, blocks, repeat, warm=False))  # noqa: B023 - awaited here
                     tick = {"ticked": kt, "late_worst_ms": mine["worst_ms"], "late_p99_ms": mine["p99_ms"],
                             "peer_late_worst_ms": theirs["worst_ms"], "peer_late_p99_ms": theirs["p99_ms"]}
+                    if fd_ticker_available():  # again, with ticks that timer rounding does not delay
+                        _, mine, theirs = await _ticked(peer, lambda: _kv_throughput(
+                            dd, ci, locals_[name], desc, op, blocks, repeat, warm=False), fd=True)  # noqa: B023
+                        tick.update({"fd_late_worst_ms": mine["worst_ms"], "fd_late_p99_ms": mine["p99_ms"],
+                                     "peer_fd_late_worst_ms": theirs["worst_ms"],
+                                     "peer_fd_late_p99_ms": theirs["p99_ms"]})
                     # off the loop: a long raw run must not starve this process's heartbeats
                     rb = await asyncio.to_thread(base.throughput, desc.tensor_bytes, desc.stride, op)
                     label = f"{name} scattered" if scattered else name
@@ -431,23 +444,28 @@ def _plugin_baseline(name: str, pid: int, remote_addr: int, buf: np.ndarray, rep
     return mod.BASELINE_NAME, mod.baseline(pid, buf, repeat, remote_addr=remote_addr)
 
 
+def _pair(worst: float | None, p99: float | None) -> str:
+    return "" if worst is None or p99 is None else f"{worst:.2f} / {p99:.2f}"
+
+
 def format_rows(rows: list[Row]) -> list[list[str]]:
     """The table's cells: the row, then (throughput rows) GiB/s with the ticker and each side's
-    worst / p99 tick lateness in ms."""
+    worst / p99 tick lateness in ms, of the sleeping ticker and of the timerfd one."""
     out = []
     for r in rows:
-        tick = ["", "", ""]
+        tick = ["", "", "", "", ""]
         if r.ticked is not None:
-            tick = [f"{r.ticked:.2f}", f"{r.late_worst_ms:.2f} / {r.late_p99_ms:.2f}",
-                    f"{r.peer_late_worst_ms:.2f} / {r.peer_late_p99_ms:.2f}"]
+            tick = [f"{r.ticked:.2f}", _pair(r.late_worst_ms, r.late_p99_ms),
+                    _pair(r.peer_late_worst_ms, r.peer_late_p99_ms), _pair(r.fd_late_worst_ms, r.fd_late_p99_ms),
+                    _pair(r.peer_fd_late_worst_ms, r.peer_fd_late_p99_ms)]
         out.append([r.transport, r.op, r.block, f"{r.kvflow:.2f} {r.unit}", r.baseline,
                     f"{r.raw:.2f} {r.unit}", f"{r.ratio:.2f}", *tick])
     return out
 
 
-async def idle_lateness(seconds: float = 1.0) -> dict[str, Any]:
+async def idle_lateness(seconds: float = 1.0, fd: bool = False) -> dict[str, Any]:
     """The ticker's lateness on this loop with nothing else to do: the floor of the machine."""
-    ticker = Ticker()
+    ticker: Ticker | FdTicker = FdTicker() if fd else Ticker()
     ticker.start()
     await asyncio.sleep(seconds)
     return await ticker.stop()

@@ -124,10 +124,14 @@ def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
             assert row["ticked"] > 0, row
             assert row["late_worst_ms"] >= row["late_p99_ms"] >= 0, row
             assert row["peer_late_worst_ms"] >= row["peer_late_p99_ms"] >= 0, row
+            # and again with a timerfd ticker on both loops (Linux)
+            assert row["fd_late_worst_ms"] >= row["fd_late_p99_ms"] >= 0, row
+            assert row["peer_fd_late_worst_ms"] >= row["peer_fd_late_p99_ms"] >= 0, row
         else:
-            assert row["ticked"] is None, row
+            assert row["ticked"] is None and row["fd_late_p99_ms"] is None, row
     meta = json.loads(out.read_text())["meta"]
     assert meta["idle_late_worst_ms"] >= meta["idle_late_p99_ms"] >= 0
+    assert meta["idle_fd_late_worst_ms"] >= meta["idle_fd_late_p99_ms"] >= 0
     assert "with ticker" in r.stdout
 
 

@@ -41,6 +41,7 @@ def test_plot_from_synthetic_rows(tmp_path: Path) -> None:
     assert panels(rows) == ["throughput", "latency"]
     for r in rows[:6]:  # ticked rows: the lateness panel appears
         r.ticked, r.late_worst_ms, r.late_p99_ms, r.peer_late_worst_ms, r.peer_late_p99_ms = 1.0, 3.0, 0.4, 1.2, 0.2
+        r.fd_late_worst_ms, r.fd_late_p99_ms, r.peer_fd_late_worst_ms, r.peer_fd_late_p99_ms = 1.0, 0.2, 0.6, 0.1
     assert panels(rows) == ["throughput", "latency", "lateness"]
     out = tmp_path / "bench.png"
     assert plot_rows(rows, str(out)) == str(out)
