@@ -2,6 +2,7 @@
 
     python scripts/lateness.py shm 16k pull 3 [kvflow.WorkerPriority=normal ...]
     CALLBACKS=1 python scripts/lateness.py tcp 4m push 3   # also list kvflow's longest callbacks
+    FD=1 python scripts/lateness.py tcp 4m push 3          # ticked by a timerfd (kvflow._ticker.FdTicker)
 
 A child process serves the bench's 1 GiB caches; this process links over the given transport and
 moves every block (16k: 16 KiB blocks in shuffled order; 256k, 4m: in order) with a 1 ms ticker on
@@ -27,6 +28,7 @@ from kvflow._run import run
 
 BLOCKS = {"16k": "16 KiB", "256k": "256 KiB", "4m": "4 MiB"}
 _ACTIVE = [False]
+FD = bool(os.environ.get("FD"))  # the timerfd ticker instead of the sleeping one
 
 
 async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, str]) -> None:
@@ -50,11 +52,11 @@ async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, 
         for _ in range(tries):
             _ACTIVE[0] = True
             gib, mine, theirs = await b._ticked(
-                peer, lambda: b._kv_throughput(dd, ci, local, desc, op, blocks, 1, warm=False))
+                peer, lambda: b._kv_throughput(dd, ci, local, desc, op, blocks, 1, warm=False), fd=FD)
             _ACTIVE[0] = False
             print(f"{transport} {op} {name}: {gib:.2f} GiB/s  late (ms) this side {mine['worst_ms']:.2f} / "
                   f"{mine['p99_ms']:.2f}  peer {theirs['worst_ms']:.2f} / {theirs['p99_ms']:.2f}", flush=True)
-        idle = await b.idle_lateness(1.0)
+        idle = await b.idle_lateness(1.0, fd=FD)
         print(f"idle loop floor: {idle['worst_ms']:.2f} / {idle['p99_ms']:.2f} ms")
         await dd.finalize()
     finally:
