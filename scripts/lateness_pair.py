@@ -4,6 +4,7 @@
     python scripts/lateness_pair.py thread 64     # the same with 64 KiB syscalls
     python scripts/lateness_pair.py proc 64       # the copy in a child process of each (no GIL)
     python scripts/lateness_pair.py none          # both loops tick, nothing is copied
+    FD=1 python scripts/lateness_pair.py proc 64  # ticked by a timerfd (kvflow._ticker.FdTicker)
 
 The shape of a tcp pull in ``kvflow bench``: two processes each run the bench's 1 ms ticker on
 uvloop for 3 s; one sends over loopback TCP from a 4 MiB buffer as fast as it can, in syscalls of
@@ -26,7 +27,7 @@ from typing import Any
 
 import uvloop
 
-from kvflow._ticker import Ticker
+from kvflow._ticker import FdTicker, Ticker
 
 SECONDS = 3.0
 
@@ -54,7 +55,7 @@ def _copy(role: str, sock: socket.socket, chunk: int, done: Any, out: Any) -> No
 
 
 async def _tick() -> dict[str, Any]:
-    ticker = Ticker()
+    ticker = FdTicker() if os.environ.get("FD") else Ticker()
     ticker.start()
     await asyncio.sleep(SECONDS)
     return await ticker.stop()
