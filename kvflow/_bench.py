@@ -170,7 +170,7 @@ async def _serve(conn: Connection) -> None:
     servers = {}
     for t in transports:
         dd = LlmDataDist(1, LlmRole.PROMPT)
-        await dd.initialize({"llm.ListenIpInfo": "127.0.0.1:0", "kvflow.Transports": t})
+        await dd.initialize({"llm.ListenIpInfo": "127.0.0.1:0", "kvflow.Transports": t, **args.get("options", {})})
         ids = {name: (await dd.register_kv_cache(desc, [buf])).cache_id for name, desc in _caches(total)}
         servers[t] = dd
         conn.send({"transport": t, "address": dd.listen_address, "caches": ids})

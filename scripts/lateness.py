@@ -8,7 +8,8 @@ A child process serves the bench's 1 GiB caches; this process links over the giv
 moves every block (16k: 16 KiB blocks in shuffled order; 256k, 4m: in order) with a 1 ms ticker on
 both loops, as ``kvflow bench`` does, printing GiB/s and the worst / p99 lateness (ms) of each side,
 then the idle loop's floor. With ``CALLBACKS=1`` the loop is asyncio's (instrumented: each
-callback's wall and thread CPU time), not uvloop. Options after the tries go to ``initialize``.
+callback's wall and thread CPU time), not uvloop. Options after the tries go to both sides'
+``initialize``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, 
     total = 1 << 30
     peer = PeerProcess(b._serve)
     try:
-        peer.send({"total": total, "transports": [transport]})
+        peer.send({"total": total, "transports": [transport], "options": opts})  # both sides
         info = await peer.recv(60)
         await peer.recv(60)
         buf = np.zeros(total, dtype=np.uint8)
