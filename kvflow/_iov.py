@@ -157,6 +157,14 @@ class IovCursor:
             _raise("sendmsg")
         return n, self._end(j - 1) - self.pos - max(over, 0)
 
+    def table(self) -> tuple[int, int]:
+        """The iovecs left, for a C loop: the address of the first one, and how many there are.
+        The first may be rewritten in place as it is consumed; ``advance`` agrees with that."""
+        return self._base + 16 * self.i, self.n - self.i
+
+    def as_iov(self) -> IovCursor:
+        return self
+
     def advance(self, n: int) -> None:
         pos = self.pos = self.pos + n
         i = self.i = self._find(pos, True)

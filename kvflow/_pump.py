@@ -11,18 +11,28 @@ So threads shared by many links cannot wait on each other for ever (two processe
 send to each other free one within ``WAIT_S``), and a stalled peer does not hold a thread for long.
 See docs/decisions.md, "tcp: 64 KiB per socket syscall".
 
+With ``kvflow.tcp.NativePump=1`` (opt-in) and where ``kvflow._pumpc`` was built (a C file compiled at
+install; see setup.py), the thread runs that loop in C, called once per payload through ctypes with
+the GIL released throughout, so no Python runs between its syscalls; the loop thread takes the socket
+from it (``Job.hold``) for its own reads and sends on that socket. Otherwise the same loop runs in
+Python. Why it is not the default: docs/decisions.md, "tcp payloads: the socket loop in C".
+
 Every syscall runs under the job's lock: ``Job.stop()`` takes it, so once ``stop()`` returns the
-thread touches neither that memory nor the socket again. That is what cancellation, unregistration
-and teardown rely on.
+thread touches neither that memory nor the socket again, and the job's cursor and ``left`` say
+exactly how far it got. That is what cancellation, unregistration and teardown rely on.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import select
 import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
+
+from ._iov import IovCursor
 
 #: Seconds of a quiet socket after which a worker hands its payload back if another one waits.
 WAIT_S = 0.002
@@ -30,11 +40,41 @@ WAIT_S = 0.002
 HOLD_S = 0.1
 
 
+def _load() -> Any:
+    """``kvflow._pumpc`` through ctypes, its functions typed; None where it was not built."""
+    try:
+        from . import _pumpc  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    lib = ctypes.CDLL(_pumpc.__file__)
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.kvf_job_size.restype = ctypes.c_size_t
+    lib.kvf_job_size.argtypes = []
+    lib.kvf_job_init.argtypes = [ptr]
+    lib.kvf_job_hold.argtypes = [ptr]
+    lib.kvf_job_release.argtypes = [ptr]
+    lib.kvf_job_stop.argtypes = [ptr]
+    lib.kvf_job_stop.restype = i64
+    lib.kvf_move.argtypes = [cint, ptr, i64, i64, i64, cint, ptr, cint, cint, ptr, ptr, ptr]
+    lib.kvf_move.restype = i64
+    return lib
+
+
+_C = _load()
+#: Whether the C socket loop is there (built at install).
+NATIVE = _C is not None
+#: Memory for one kvf_job (its type made once: a ctypes array type made per call is cyclic garbage)
+_JobMemory: Any = ctypes.c_char * (_C.kvf_job_size() if _C is not None else 1)
+_DONE, _STOPPED, _QUIET, _CLOSED, _ERROR = range(5)  # kvf_move's statuses
+
+
 class Cursor(Protocol):
     """A position in a payload's buffers (``kvflow._tcp._Cursor`` or ``kvflow._iov.IovCursor``)."""
 
     @property
     def done(self) -> bool: ...
+
+    def as_iov(self) -> IovCursor: ...
 
     def recv(self, sock: socket.socket) -> int: ...
 
@@ -46,29 +86,73 @@ class Cursor(Protocol):
 class Job:
     """One payload on a worker thread: its cursor, the bytes left, and the stop switch."""
 
-    __slots__ = ("cursor", "left", "lock", "stopped")
+    __slots__ = ("_applied", "_c", "_iov", "cursor", "left", "lock", "stopped")
 
     def __init__(self, cursor: Cursor, left: int) -> None:
         self.cursor = cursor
         self.left = left
         self.lock = threading.Lock()
         self.stopped = False
+        self._c: Any = None  # the C loop's job (kvf_job), once the job goes to it
+        self._iov: IovCursor | None = None  # the table the C loop moves through
+        self._applied = 0  # of the C loop's bytes, those already counted in cursor and left
 
     def stop(self) -> None:
         """Stop the thread at its next syscall boundary; waits out a syscall in progress."""
+        if self._c is not None:
+            moved = _C.kvf_job_stop(self._c)  # through ctypes: the GIL is released while it waits
+            with self.lock:
+                self.stopped = True
+                self._apply(moved)
+            return
         with self.lock:
             self.stopped = True
+
+    @property
+    def native(self) -> bool:
+        """Whether the C loop moves this job (then ``hold`` and ``release`` mean something)."""
+        return self._c is not None
+
+    def hold(self) -> None:
+        """The calling (loop) thread is about to use the socket: the C loop pauses after its syscall
+        in progress and stays paused until ``release``. Without it a worker that takes the kernel's
+        socket lock again right after each syscall kept the loop's reads waiting for milliseconds."""
+        if self._c is not None:
+            _C.kvf_job_hold(self._c)
+
+    def release(self) -> None:
+        if self._c is not None:
+            _C.kvf_job_release(self._c)
+
+    def _to_c(self) -> None:
+        self._iov = self.cursor.as_iov()
+        self._c = _JobMemory()
+        _C.kvf_job_init(self._c)
+
+    def _apply(self, moved: int) -> None:
+        """Count the C loop's bytes up to ``moved`` in the cursor and ``left`` (under ``lock``)."""
+        n = moved - self._applied
+        if n > 0:
+            self._applied = moved
+            self.left -= n
+            self.cursor.advance(n)
+            if self._iov is not self.cursor:
+                assert self._iov is not None
+                self._iov.advance(n)
 
 
 class Pool:
     """Worker threads that move payloads, and how many payloads wait for one of them."""
 
-    __slots__ = ("_executor", "_lock", "waiting")
+    __slots__ = ("_executor", "_lock", "_waiting_c", "native", "waiting")
 
-    def __init__(self, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, executor: ThreadPoolExecutor, native: bool = False) -> None:
         self._executor = executor
         self._lock = threading.Lock()
         self.waiting = 0  # submitted, not yet started
+        self._waiting_c = ctypes.c_long(0)  # the same, where the C loop reads it
+        #: whether payloads move in the C loop (asked for, and built)
+        self.native = native and NATIVE
 
     def receive(self, sock: socket.socket, job: Job) -> Future[None]:
         """Read ``job.left`` bytes into the cursor's buffers, until done, stopped or handed back."""
@@ -82,14 +166,42 @@ class Pool:
         self._executor.shutdown(wait=False)
 
     def _start(self, sock: socket.socket, job: Job, event: int, step: Callable[[socket.socket], int]) -> Future[None]:
+        if self.native:
+            job._to_c()
         with self._lock:
             self.waiting += 1
+            self._waiting_c.value = self.waiting
         return self._executor.submit(self._run, sock, job, event, step)
 
     def _run(self, sock: socket.socket, job: Job, event: int, step: Callable[[socket.socket], int]) -> None:
         with self._lock:
             self.waiting -= 1
-        _move(sock, job, event, step, self)
+            self._waiting_c.value = self.waiting
+        if job._c is not None:
+            _move_c(sock, job, event, self._waiting_c)
+        else:
+            _move(sock, job, event, step, self)
+
+
+def _move_c(sock: socket.socket, job: Job, event: int, waiting: ctypes.c_long) -> None:
+    """``_move`` in C: one ctypes call for the whole payload, then its bytes counted."""
+    with job.lock:
+        if job.stopped:
+            return
+        limit = job.left
+    table = job._iov
+    assert table is not None
+    address, count = table.table()
+    status, err = ctypes.c_int(0), ctypes.c_int(0)
+    moved = _C.kvf_move(sock.fileno(), address, count, limit, table.chunk_bytes, event == select.POLLOUT, job._c,
+                        max(1, round(WAIT_S * 1000)), max(1, round(HOLD_S * 1000)), ctypes.byref(waiting),
+                        ctypes.byref(status), ctypes.byref(err))
+    with job.lock:
+        job._apply(moved)
+    if status.value == _CLOSED:
+        raise ConnectionResetError("peer closed the data connection")
+    if status.value == _ERROR:
+        raise OSError(err.value, os.strerror(err.value))
 
 
 def _move(sock: socket.socket, job: Job, event: int, step: Callable[[socket.socket], int], pool: Pool) -> None:

@@ -216,6 +216,19 @@ class _Cursor:
     def recv(self, sock: socket.socket) -> int:
         return sock.recvmsg_into(self.chunk()[0])[0]
 
+    def as_iov(self) -> IovCursor:
+        """The bytes left as a table of (address, length), for kvflow._pump's C loop. It keeps the
+        buffers alive and advances apart from this cursor (the job advances both)."""
+        i = self.i
+        heads = [np.frombuffer(b, np.uint8) for b in self.bufs[i:]]
+        addrs = np.array([h.__array_interface__["data"][0] for h in heads], np.uint64)
+        lens = np.array([h.size for h in heads], np.uint64)
+        off = self.pos - (self.ends[i - 1] if i else 0)
+        if heads and off:
+            addrs[0] += np.uint64(off)
+            lens[0] -= np.uint64(off)
+        return IovCursor(addrs, lens, CHUNK_BYTES, keep=heads)
+
 
 #: A frame's payload in local memory: byte views of its runs (few runs), or the checked runs
 #: themselves as (addresses, lengths) for large payloads (see kvflow._iov).
@@ -623,6 +636,17 @@ class TcpChannel(CacheUser):
     def _flush(self) -> None:
         if self._tx_job is not None:
             return  # a worker thread is sending the head frame; the rest waits (stream order)
+        rx = self._rx_job
+        if rx is None or not rx.native or not self._sendq:
+            self._send_queue()
+            return
+        rx.hold()  # the receiving thread's C loop leaves the socket to these sends (kvflow._pump.Job.hold)
+        try:
+            self._send_queue()
+        finally:
+            rx.release()
+
+    def _send_queue(self) -> None:
         sock = self._sock
         budget = SEND_BUDGET
         q = self._sendq
@@ -756,6 +780,17 @@ class TcpChannel(CacheUser):
     def _on_readable(self) -> None:
         if self._rx_job is not None:
             return  # a worker thread is reading a payload (the busy poll may still call)
+        tx = self._tx_job
+        if tx is None or not tx.native:
+            self._read()
+            return
+        tx.hold()  # the sending thread's C loop leaves the socket to these reads (kvflow._pump.Job.hold)
+        try:
+            self._read()
+        finally:
+            tx.release()
+
+    def _read(self) -> None:
         sock = self._sock
         budget = RECV_BUDGET
         try:
@@ -1228,6 +1263,8 @@ class TcpTransport(Transport):
         #: 0 moves every payload on the loop thread
         self.thread_bytes = ctx.int_option("kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0)
         self.threads = ctx.int_option("kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
+        #: 1: the worker threads move payloads in C where it was built (opt-in: docs/decisions.md)
+        self.native_pump = ctx.int_option("kvflow.tcp.NativePump", 0, 0, 1) == 1
         #: 0: a small transfer always waits for its reply on the loop
         self.inline_poll = min(self.busy_poll,
                                ctx.int_option("kvflow.tcp.InlinePollUs", DEFAULT_INLINE_POLL_US, 0, 100_000) / 1e6)
@@ -1235,7 +1272,7 @@ class TcpTransport(Transport):
 
     def _executor(self) -> pump.Pool:
         if self._pool is None:
-            self._pool = pump.Pool(self.ctx.worker_pool("kvflow-tcp", self.threads))
+            self._pool = pump.Pool(self.ctx.worker_pool("kvflow-tcp", self.threads), self.native_pump)
         return self._pool
 
     async def connect(self, info: Mapping[str, Any], channel: LinkChannel) -> Endpoint:

@@ -1,0 +1,150 @@
+/* kvflow._pumpc: the socket loop of one tcp payload, in C, for kvflow._pump's worker threads.
+ *
+ * kvflow._pump calls kvf_move through ctypes, which releases the GIL for the whole call: the
+ * thread then moves the payload (non-blocking readv / sendmsg of at most `chunk` bytes, poll while
+ * the socket is empty or full) without taking the GIL between syscalls. A worker that held the GIL
+ * between two syscalls and lost its core there kept the event loop waiting for it (docs/decisions.md,
+ * "tcp payloads: the socket loop in C").
+ *
+ * Same rules as kvflow._pump._move: every syscall runs under the job's mutex, and kvf_job_stop takes
+ * it, so once kvf_job_stop returns no further byte is read or written. The table is a struct iovec
+ * array; a partly moved entry is rewritten in place (base forward, length down), as
+ * kvflow._iov.IovCursor does. The module object itself is empty: Python imports it to find the file. */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define KVF_IOV_MAX 1024
+
+enum { KVF_DONE = 0, KVF_STOPPED = 1, KVF_QUIET = 2, KVF_CLOSED = 3, KVF_ERROR = 4 };
+
+typedef struct {
+    pthread_mutex_t lock; /* recursive: the loop thread may stop a job it holds */
+    int stopped;
+    int want;      /* the loop thread waits to use the socket: the worker lets it in first */
+    int64_t moved; /* bytes moved under this job, all calls together */
+} kvf_job;
+
+size_t kvf_job_size(void) { return sizeof(kvf_job); }
+
+/* Initialise a job in caller-owned memory of kvf_job_size() bytes (a default mutex needs no destroy). */
+void kvf_job_init(kvf_job *job) {
+    memset(job, 0, sizeof *job);
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&job->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
+}
+
+/* The loop thread takes the socket from the worker between two of its syscalls, and keeps it until
+ * kvf_job_release. Both sides' syscalls take the kernel's socket lock, which a worker that loops
+ * without a pause takes again before a woken loop thread gets to it: the loop waited for
+ * milliseconds to read a request. */
+void kvf_job_hold(kvf_job *job) {
+    __atomic_store_n(&job->want, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_lock(&job->lock);
+}
+
+void kvf_job_release(kvf_job *job) {
+    pthread_mutex_unlock(&job->lock);
+    __atomic_store_n(&job->want, 0, __ATOMIC_SEQ_CST);
+}
+
+/* Stop the job at its next syscall boundary (a syscall in progress is waited out); bytes moved. */
+int64_t kvf_job_stop(kvf_job *job) {
+    pthread_mutex_lock(&job->lock);
+    job->stopped = 1;
+    int64_t moved = job->moved;
+    pthread_mutex_unlock(&job->lock);
+    return moved;
+}
+
+/* Move up to `limit` bytes between socket `fd` and the `n` entries of `iov` (sending: from them).
+ * Returns the job's bytes moved so far; *status says why it returned: all moved, stopped, the
+ * socket quiet for `hold_ms` (or for `wait_ms` while *waiting > 0: another payload waits for a
+ * thread), the peer closed (receiving), or an error (*err = errno). */
+int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
+                 int wait_ms, int hold_ms, const volatile long *waiting, int *status, int *err) {
+    int64_t i = 0, here = 0;
+    int quiet = 0;
+    struct pollfd p = { fd, sending ? POLLOUT : POLLIN, 0 };
+    for (;;) {
+        while (__atomic_load_n(&job->want, __ATOMIC_SEQ_CST)) sched_yield(); /* the loop's turn */
+        pthread_mutex_lock(&job->lock);
+        if (job->stopped || here >= limit || i >= n) {
+            *status = job->stopped ? KVF_STOPPED : KVF_DONE;
+            int64_t moved = job->moved;
+            pthread_mutex_unlock(&job->lock);
+            return moved;
+        }
+        size_t want = (size_t)(limit - here < chunk ? limit - here : chunk), sum = 0;
+        int64_t j = i;
+        while (j < n && j - i < KVF_IOV_MAX && sum < want) sum += iov[j++].iov_len;
+        if (sum == 0) { /* empty entries only: nothing to move in them */
+            i = j;
+            pthread_mutex_unlock(&job->lock);
+            continue;
+        }
+        size_t full = iov[j - 1].iov_len, over = sum > want ? sum - want : 0;
+        iov[j - 1].iov_len = full - over; /* the last entry cut to the chunk for this call */
+        ssize_t r;
+        if (sending) {
+            struct msghdr m;
+            memset(&m, 0, sizeof m);
+            m.msg_iov = iov + i;
+            m.msg_iovlen = (size_t)(j - i);
+            r = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        } else {
+            r = readv(fd, iov + i, (int)(j - i));
+        }
+        int e = errno;
+        iov[j - 1].iov_len = full;
+        if (r > 0) {
+            job->moved += r;
+            here += r;
+            size_t left = (size_t)r;
+            while (i < n && left >= iov[i].iov_len) left -= iov[i++].iov_len;
+            if (left) {
+                iov[i].iov_base = (char *)iov[i].iov_base + left;
+                iov[i].iov_len -= left;
+            }
+            quiet = 0;
+            pthread_mutex_unlock(&job->lock);
+            continue;
+        }
+        int64_t moved = job->moved;
+        pthread_mutex_unlock(&job->lock);
+        if (r == 0 && !sending) {
+            *status = KVF_CLOSED;
+            return moved;
+        }
+        if (r < 0 && e == EINTR) continue;
+        if (r < 0 && e != EAGAIN && e != EWOULDBLOCK) {
+            *status = KVF_ERROR;
+            *err = e;
+            return moved;
+        }
+        if (poll(&p, 1, wait_ms) != 0) continue; /* ready, or EINTR: try again */
+        quiet += wait_ms;
+        if (*waiting > 0 || quiet >= hold_ms) {
+            *status = KVF_QUIET;
+            return moved;
+        }
+    }
+}
+
+static struct PyModuleDef pumpc_module = {
+    PyModuleDef_HEAD_INIT, "_pumpc", "kvflow's tcp socket loop in C (called through ctypes, see kvflow._pump).", -1, NULL,
+    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__pumpc(void) { return PyModule_Create(&pumpc_module); }
