@@ -307,6 +307,19 @@ class _Op:
         self.state = _OP_BACKLOG  # -> _OP_OUT (admitted, counted) -> _OP_DONE (retired or dropped)
 
 
+def _beside(job: pump.Job | None, step: Callable[[], None]) -> None:
+    """Run ``step``, the loop thread's own reads or sends on a socket that ``job``'s worker thread
+    also uses, with the job's C loop paused meanwhile (``kvflow._pump.Job.hold``)."""
+    if job is None or not job.native:
+        step()
+        return
+    job.hold()
+    try:
+        step()
+    finally:
+        job.release()
+
+
 class TcpChannel(CacheUser):
     """Both directions of one data socket: our requests, the peer's requests, responses."""
 
@@ -636,15 +649,7 @@ class TcpChannel(CacheUser):
     def _flush(self) -> None:
         if self._tx_job is not None:
             return  # a worker thread is sending the head frame; the rest waits (stream order)
-        rx = self._rx_job
-        if rx is None or not rx.native or not self._sendq:
-            self._send_queue()
-            return
-        rx.hold()  # the receiving thread's C loop leaves the socket to these sends (kvflow._pump.Job.hold)
-        try:
-            self._send_queue()
-        finally:
-            rx.release()
+        _beside(self._rx_job if self._sendq else None, self._send_queue)
 
     def _send_queue(self) -> None:
         sock = self._sock
@@ -780,15 +785,7 @@ class TcpChannel(CacheUser):
     def _on_readable(self) -> None:
         if self._rx_job is not None:
             return  # a worker thread is reading a payload (the busy poll may still call)
-        tx = self._tx_job
-        if tx is None or not tx.native:
-            self._read()
-            return
-        tx.hold()  # the sending thread's C loop leaves the socket to these reads (kvflow._pump.Job.hold)
-        try:
-            self._read()
-        finally:
-            tx.release()
+        _beside(self._tx_job, self._read)
 
     def _read(self) -> None:
         sock = self._sock

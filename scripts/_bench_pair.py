@@ -42,3 +42,43 @@ async def bench_pair(transport: str, options: dict[str, Any] | None = None
             await dd.finalize()
     finally:
         peer.stop()
+
+
+ROW_BLOCKS = {"16k": "16 KiB", "256k": "256 KiB", "4m": "4 MiB"}
+
+
+@contextlib.asynccontextmanager
+async def row_pair(transport: str, block: str, op: str, options: dict[str, str]
+                   ) -> AsyncIterator[tuple[LlmDataDist, PeerProcess, Any]]:
+    """One ``kvflow bench`` throughput row's setup: the child serving the bench's 1 GiB caches (with
+    ``options`` too), this side linked to it, and the row's transfer warmed up once. Yields this
+    side's ``LlmDataDist``, the child, and ``move(warm)``, which awaits the row's whole transfer."""
+    from kvflow import _bench as b
+
+    total = 1 << 30
+    peer = PeerProcess(_serve)
+    try:
+        peer.send({"total": total, "transports": [transport], "options": options})  # both sides
+        info = await peer.recv(60)
+        await peer.recv(60)
+        buf = np.zeros(total, dtype=np.uint8)
+        dd = LlmDataDist(2, LlmRole.DECODER)
+        await dd.initialize({"kvflow.Transports": transport, **options})
+        try:
+            name = ROW_BLOCKS[block]
+            desc = dict(_caches(total))[name]
+            local = await dd.register_kv_cache(desc, [buf])
+            ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
+            assert ret[0] == 0, ret
+            ci = CacheIndex(1, info["caches"][name])
+            blocks = b._block_lists(desc, desc.stride == b.BLOCK_SIZES[0])
+
+            def move(warm: bool = False) -> Any:
+                return b._kv_throughput(dd, ci, local, desc, op, blocks, 1, warm=warm)
+
+            await move(True)  # warm-up
+            yield dd, peer, move
+        finally:
+            await dd.finalize()
+    finally:
+        peer.stop()

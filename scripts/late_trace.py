@@ -35,15 +35,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
+from _bench_pair import ROW_BLOCKS, row_pair
 
-from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
-from kvflow import _bench as b
-from kvflow._proc import PeerProcess
 from kvflow._run import run
 from kvflow._ticker import FdTicker
-
-BLOCKS = {"16k": "16 KiB", "256k": "256 KiB", "4m": "4 MiB"}
 
 
 class _Recording(FdTicker):
@@ -66,25 +61,9 @@ class _Recording(FdTicker):
 
 async def _row(transport: str, block: str, op: str, tries: int, threshold: float,
                opts: dict[str, str]) -> tuple[list[Any], int]:
-    """Run the row's tries; the late ticks and the peer's process id."""
-    total = 1 << 30
-    peer = PeerProcess(b._serve)
+    """Run the row's tries under the trace; the late ticks and the trace as text, and the peer's pid."""
     late: list[tuple[float, float]] = []
-    try:
-        peer.send({"total": total, "transports": [transport], "options": opts})  # both sides
-        info = await peer.recv(60)
-        await peer.recv(60)
-        buf = np.zeros(total, dtype=np.uint8)
-        dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": transport, **opts})
-        name = BLOCKS[block]
-        desc = dict(b._caches(total))[name]
-        local = await dd.register_kv_cache(desc, [buf])
-        ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
-        assert ret[0] == 0, ret
-        ci = CacheIndex(1, info["caches"][name])
-        blocks = b._block_lists(desc, desc.stride == b.BLOCK_SIZES[0])
-        await b._kv_throughput(dd, ci, local, desc, op, blocks, 1)  # warm-up, before the trace starts
+    async with row_pair(transport, block, op, opts) as (_, peer, move):
         with tempfile.TemporaryDirectory() as tmp:
             data = os.path.join(tmp, "sched.data")
             perf = await asyncio.create_subprocess_exec(
@@ -95,23 +74,21 @@ async def _row(transport: str, block: str, op: str, tries: int, threshold: float
                 ticker = _Recording(threshold)
                 peer.send("tick fd")
                 ticker.start()
-                gib = await b._kv_throughput(dd, ci, local, desc, op, blocks, 1, warm=False)
+                gib = await move()
                 mine = await ticker.stop()
                 peer.send("tock")
                 theirs = await peer.recv(60)
                 late += ticker.ticks
-                print(f"{transport} {op} {name}: {gib:.2f} GiB/s  late (ms) this side {mine['worst_ms']:.2f} / "
-                      f"{mine['p99_ms']:.2f}  peer {theirs['worst_ms']:.2f} / {theirs['p99_ms']:.2f}", flush=True)
+                print(f"{transport} {op} {ROW_BLOCKS[block]}: {gib:.2f} GiB/s  late (ms) this side "
+                      f"{mine['worst_ms']:.2f} / {mine['p99_ms']:.2f}  peer {theirs['worst_ms']:.2f} / "
+                      f"{theirs['p99_ms']:.2f}", flush=True)
             perf.send_signal(signal.SIGINT)
             await asyncio.wait_for(perf.wait(), 60)
             dump = await asyncio.create_subprocess_exec(
                 "perf", "script", "-i", data, "-F", "pid,tid,cpu,time,event,trace",
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
             script = (await asyncio.wait_for(dump.communicate(), 120))[0].decode()
-        await dd.finalize()
         return [late, script], peer.proc.pid or 0
-    finally:
-        peer.stop()
 
 
 _LINE = re.compile(r"^\s*(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")

@@ -20,48 +20,26 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
+from _bench_pair import ROW_BLOCKS, row_pair
 
-from kvflow import CacheIndex, ClusterInfo, IpInfo, LlmDataDist, LlmRole
 from kvflow import _bench as b
-from kvflow._proc import PeerProcess
 from kvflow._run import run
 
-BLOCKS = {"16k": "16 KiB", "256k": "256 KiB", "4m": "4 MiB"}
+BLOCKS = ROW_BLOCKS
 _ACTIVE = [False]
 FD = bool(os.environ.get("FD"))  # the timerfd ticker instead of the sleeping one
 
 
 async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, str]) -> None:
-    total = 1 << 30
-    peer = PeerProcess(b._serve)
-    try:
-        peer.send({"total": total, "transports": [transport], "options": opts})  # both sides
-        info = await peer.recv(60)
-        await peer.recv(60)
-        buf = np.zeros(total, dtype=np.uint8)
-        dd = LlmDataDist(2, LlmRole.DECODER)
-        await dd.initialize({"kvflow.Transports": transport, **opts})
-        name = BLOCKS[block]
-        desc = dict(b._caches(total))[name]
-        local = await dd.register_kv_cache(desc, [buf])
-        ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
-        assert ret[0] == 0, ret
-        ci = CacheIndex(1, info["caches"][name])
-        blocks = b._block_lists(desc, desc.stride == b.BLOCK_SIZES[0])
-        await b._kv_throughput(dd, ci, local, desc, op, blocks, 1)  # warm-up
+    async with row_pair(transport, block, op, opts) as (_, peer, move):
         for _ in range(tries):
             _ACTIVE[0] = True
-            gib, mine, theirs = await b._ticked(
-                peer, lambda: b._kv_throughput(dd, ci, local, desc, op, blocks, 1, warm=False), fd=FD)
+            gib, mine, theirs = await b._ticked(peer, move, fd=FD)
             _ACTIVE[0] = False
-            print(f"{transport} {op} {name}: {gib:.2f} GiB/s  late (ms) this side {mine['worst_ms']:.2f} / "
+            print(f"{transport} {op} {BLOCKS[block]}: {gib:.2f} GiB/s  late (ms) this side {mine['worst_ms']:.2f} / "
                   f"{mine['p99_ms']:.2f}  peer {theirs['worst_ms']:.2f} / {theirs['p99_ms']:.2f}", flush=True)
         idle = await b.idle_lateness(1.0, fd=FD)
         print(f"idle loop floor: {idle['worst_ms']:.2f} / {idle['p99_ms']:.2f} ms")
-        await dd.finalize()
-    finally:
-        peer.stop()
 
 
 def _where(handle: asyncio.Handle) -> str:

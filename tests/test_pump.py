@@ -6,10 +6,12 @@ with the C socket loop (kvflow._pumpc, built at install) and with the Python one
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -259,18 +261,30 @@ def test_a_stopped_job_writes_no_byte_after_stop_and_counts_exactly_what_it_read
         tx.close()
 
 
-def test_the_c_loop_leaves_the_gil_to_other_threads_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While the C loop waits on a quiet socket (``HOLD_S`` raised to 30 s), this thread runs Python
-    and sees the job still running; the C loop meanwhile reads the bytes written to it."""
+@contextlib.contextmanager
+def _c_receive(size: int) -> Iterator[tuple[socket.socket, socket.socket, bytearray, pump.Job, Future[None]]]:
+    """A C job reading ``size`` bytes from a socket pair: both ends, the destination, the job and
+    its future; the job stopped, the pool and sockets closed on the way out."""
     if not pump.NATIVE:
         pytest.fail("kvflow._pumpc was not built")
-    monkeypatch.setattr(pump, "HOLD_S", 30.0)
     rx, tx = _pair()
-    dest = bytearray(1 << 20)
+    dest = bytearray(size)
     job = pump.Job(_Cursor([memoryview(dest)]), len(dest))
     pool = pump.Pool(ThreadPoolExecutor(1), True)
     try:
-        fut = pool.receive(rx, job)
+        yield rx, tx, dest, job, pool.receive(rx, job)
+    finally:
+        job.stop()
+        pool.shutdown()
+        rx.close()
+        tx.close()
+
+
+def test_the_c_loop_leaves_the_gil_to_other_threads_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the C loop waits on a quiet socket (``HOLD_S`` raised to 30 s), this thread runs Python
+    and sees the job still running; the C loop meanwhile reads the bytes written to it."""
+    monkeypatch.setattr(pump, "HOLD_S", 30.0)
+    with _c_receive(1 << 20) as (_, tx, dest, job, fut):
         time.sleep(0.05)
         _write_all(tx, b"\x05" * 1000)
         time.sleep(0.05)
@@ -278,23 +292,12 @@ def test_the_c_loop_leaves_the_gil_to_other_threads_while_it_runs(monkeypatch: p
         job.stop()
         fut.result(timeout=10)
         assert job.left == len(dest) - 1000 and dest[:1000] == b"\x05" * 1000
-    finally:
-        pool.shutdown()
-        rx.close()
-        tx.close()
 
 
 def test_a_held_c_job_reads_nothing_until_released() -> None:
     """``hold()`` (the loop thread is about to use the socket): the C loop reads no byte until
     ``release()``, so bytes written meanwhile are the holder's to read; then it goes on."""
-    if not pump.NATIVE:
-        pytest.fail("kvflow._pumpc was not built")
-    rx, tx = _pair()
-    dest = bytearray(1 << 20)
-    job = pump.Job(_Cursor([memoryview(dest)]), len(dest))
-    pool = pump.Pool(ThreadPoolExecutor(1), True)
-    try:
-        fut = pool.receive(rx, job)
+    with _c_receive(1 << 20) as (rx, tx, dest, job, fut):
         time.sleep(0.02)
         assert job.native
         job.hold()
@@ -311,7 +314,3 @@ def test_a_held_c_job_reads_nothing_until_released() -> None:
         job.stop()
         fut.result(timeout=10)
         assert job.left == len(dest) - 1000 and dest[:1000] == b"\x02" * 1000
-    finally:
-        pool.shutdown()
-        rx.close()
-        tx.close()
