@@ -254,12 +254,25 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, lat_iters: int = 2000,
-                    progress: Any = None) -> list[Row]:
-    """Measure every transport against its raw baseline; returns the rows of the table."""
+                    progress: Any = None, options: dict[str, str] | None = None) -> list[Row]:
+    """Measure every transport against its raw baseline; returns the rows of the table.
+
+    ``options`` go to both sides' ``initialize``, so an A/B of a transport option covers both loops.
+    """
+    options = dict(options or {})
+    ours: dict[str, LlmDataDist] = {}
+    try:  # this side first: a bad option is refused here, before the peer process starts
+        for t in transports:
+            ours[t] = LlmDataDist(2, LlmRole.DECODER)
+            await ours[t].initialize({"kvflow.Transports": t, **options})
+    except BaseException:
+        for dd in ours.values():
+            await dd.finalize()
+        raise
     peer = PeerProcess(_serve)
     rows: list[Row] = []
     try:
-        peer.send({"total": total, "transports": transports})
+        peer.send({"total": total, "transports": transports, "options": options})
         infos = [await peer.recv(60) for _ in transports]
         meta = await peer.recv(60)
         buf = np.zeros(total, dtype=np.uint8)
@@ -270,8 +283,7 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
         for info in infos:
             t = info["transport"]
             base_name, base = baselines.get(t) or _plugin_baseline(t, meta["pid"], meta["addr"], buf, repeat)
-            dd = LlmDataDist(2, LlmRole.DECODER)
-            await dd.initialize({"kvflow.Transports": t})
+            dd = ours.pop(t)
             locals_ = {name: await dd.register_kv_cache(desc, [buf]) for name, desc in _caches(total)}
             ret = await dd.link_llm_clusters([ClusterInfo(1, [IpInfo(*info["address"])])], 5000)
             if ret[0] != 0:
@@ -340,6 +352,8 @@ async def run_bench(transports: list[str], total: int = GiB, repeat: int = 3, la
         raw.close()
     finally:
         peer.stop()
+        for dd in ours.values():
+            await dd.finalize()
     return rows
 
 
@@ -476,10 +490,10 @@ def write_json(path: str, rows: list[Row], meta: dict[str, Any]) -> None:
         json.dump({"meta": meta, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, f, indent=2)
 
 
-def main_bench(transports: list[str], total: int, repeat: int) -> list[Row]:
+def main_bench(transports: list[str], total: int, repeat: int, options: dict[str, str] | None = None) -> list[Row]:
     from ._run import run
 
-    return run(run_bench(transports, total, repeat))
+    return run(run_bench(transports, total, repeat, options=options))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ._datadist import LlmDataDist
+from ._options import option_pairs
 from ._proc import PeerProcess, recv_from_parent
 from ._status import LLMStatusCode
 from ._types import ClusterInfo, IpInfo, LlmRole
@@ -261,12 +262,11 @@ def cli(args: argparse.Namespace) -> int:
         print("bench-links: need 1 <= --procs <= --links <= 65536", file=sys.stderr)
         return 2
     options = {"kvflow.Transports": args.transport} if args.transport else {}
-    for kv in args.option:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            print(f"bench-links: --option {kv!r}: expected KEY=VALUE", file=sys.stderr)
-            return 2
-        options[key] = value
+    try:
+        options.update(option_pairs(args.option))
+    except ValueError as e:
+        print(f"bench-links: {e}", file=sys.stderr)
+        return 2
     res = run(run_bench_links(args.links, args.procs, args.timeout_ms, args.idle_s, options))
     print(format_result(res))
     if args.json:

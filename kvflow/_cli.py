@@ -147,6 +147,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from ._bench import format_rows, main_bench, write_json
     from ._discovery import available_transports
+    from ._options import option_pairs
+    from ._status import LLMParamInvalid
 
     avail = available_transports()
     names = args.transport.split(",") if args.transport else [n for n, s in avail.items() if s == "ok"]
@@ -154,17 +156,26 @@ def _bench(args: argparse.Namespace) -> int:
         if avail.get(n) != "ok":
             console.print(f"[red]transport {n} unavailable: {avail.get(n, 'not installed')}")
             return 2
+    try:
+        options = option_pairs(args.option)
+    except ValueError as e:
+        console.print(f"[red]kvflow bench: {e}")
+        return 2
     total = int(args.size_mib) << 20
     console.print(f"kvflow bench: transports {', '.join(names)}; {args.size_mib} MiB per transfer, "
                   f"best of {args.repeat} after a warm-up; baselines measured in the same run between the same two "
-                  "processes")
+                  "processes" + (f"; options on both sides: {options}" if options else ""))
     from ._bench import idle_lateness
     from ._run import run
     from ._ticker import fd_ticker_available
 
     idle = run(idle_lateness())
     idle_fd = run(idle_lateness(fd=True)) if fd_ticker_available() else None
-    rows = main_bench(names, total, args.repeat)
+    try:
+        rows = main_bench(names, total, args.repeat, options)
+    except LLMParamInvalid as e:  # raised by this side's initialize, before the peer process starts
+        console.print(f"[red]kvflow bench: {e}")
+        return 2
     table = Table(title="kvflow vs raw baseline (ratio: higher is better for kvflow)")
     for col in ("transport", "op", "block", "kvflow", "baseline", "baseline figure", "ratio", "with ticker",
                 "late ms here", "late ms peer", "fd late ms here", "fd late ms peer"):
@@ -178,8 +189,9 @@ def _bench(args: argparse.Namespace) -> int:
                   f"long the loop kept I/O waiting. An idle loop here: {idle['worst_ms']:.2f} / {idle['p99_ms']:.2f} ms"
                   + (f", fd {idle_fd['worst_ms']:.2f} / {idle_fd['p99_ms']:.2f} ms" if idle_fd else ""))
     if args.json:
-        write_json(args.json, rows, {"size_bytes": total, "repeat": args.repeat, "python": sys.version.split()[0],
-                                     "machine": platform.machine(), "cmd": " ".join(sys.argv),
+        write_json(args.json, rows, {"size_bytes": total, "repeat": args.repeat, "options": options,
+                                     "python": sys.version.split()[0], "machine": platform.machine(),
+                                     "cmd": " ".join(sys.argv),
                                      "idle_late_worst_ms": idle["worst_ms"], "idle_late_p99_ms": idle["p99_ms"],
                                      **({"idle_fd_late_worst_ms": idle_fd["worst_ms"],
                                          "idle_fd_late_p99_ms": idle_fd["p99_ms"]} if idle_fd else {})})
@@ -261,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3, help="runs per row after a warm-up; the best is shown")
     b.add_argument("--json", help="also write the rows as JSON to this path")
     b.add_argument("--plot", help="also draw throughput against block size as a PNG")
+    b.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an initialize option of both sides, e.g. kvflow.tcp.NativePump=1 (repeatable)")
     b.set_defaults(fn=_bench)
     lw = add("bench-layerwise", "layer-wise overlapped push vs compute-then-push, exposed time")
     lw.add_argument("--transport", default="", help="comma list (default: shm and tcp where available)")

@@ -74,6 +74,17 @@ def parse_address(key: str, value: str) -> tuple[str, int]:
     return host, port
 
 
+def option_pairs(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings of a command line's ``--option`` as a dict; ValueError names a bad one."""
+    out: dict[str, str] = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {kv!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def parse_options(options: Mapping[str, Any] | None) -> Options:
     """Check every key and value; unknown or malformed ones raise LLMParamInvalid naming the key."""
     opts = Options()

@@ -103,8 +103,9 @@ def test_info_lists_transports() -> None:
 def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     r = _run(sys.executable, "-m", "kvflow._cli", "bench", "--transport", "tcp", "--size-mib", "16", "--repeat", "1",
-             "--json", str(out))
+             "--option", "kvflow.tcp.NativePump=1", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(out.read_text())["meta"]["options"] == {"kvflow.tcp.NativePump": "1"}
     rows = json.loads(out.read_text())["rows"]
     ops = {(row["op"], row["block"]) for row in rows}
     assert ("pull", "16 KiB scattered") in ops and ("push", "4 MiB") in ops and ("4 KiB pull p50", "4 KiB") in ops
@@ -133,6 +134,16 @@ def test_bench_tiny_run_writes_json(tmp_path: Path) -> None:
     assert meta["idle_late_worst_ms"] >= meta["idle_late_p99_ms"] >= 0
     assert meta["idle_fd_late_worst_ms"] >= meta["idle_fd_late_p99_ms"] >= 0
     assert "with ticker" in r.stdout
+
+
+@pytest.mark.parametrize("option, says", [("kvflow.tcp.NativePump", "expected KEY=VALUE"),
+                                          ("kvflow.tcp.NativePump=7", "LLM_PARAM_INVALID"),
+                                          ("kvflow.Nonsense=1", "unknown option")])
+def test_bench_refuses_a_bad_option_before_it_starts_the_peer(option: str, says: str) -> None:
+    r = _run(sys.executable, "-m", "kvflow._cli", "bench", "--transport", "tcp", "--option", option)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in " ".join(r.stdout.split()), r.stdout
+    assert "Traceback" not in r.stderr and "SpawnProcess" not in r.stderr, r.stderr
 
 
 def test_ruff_clean() -> None:
