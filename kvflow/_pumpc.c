@@ -2,7 +2,9 @@
  *
  * kvflow._pump calls kvf_move through ctypes, which releases the GIL for the whole call: the
  * thread then moves the payload (non-blocking readv / sendmsg of at most `chunk` bytes, poll while
- * the socket is empty or full) without taking the GIL between syscalls. A worker that held the GIL
+ * the socket is empty or full) without taking the GIL between syscalls. While it receives, the
+ * socket's SO_RCVLOWAT is raised to the bytes it waits for (at most 64 KiB), so poll wakes it once
+ * per 64 KiB rather than once per segment; kvf_move sets it back to 1 before it returns. A worker that held the GIL
  * between two syscalls and lost its core there kept the event loop waiting for it (docs/decisions.md,
  * "tcp payloads: the socket loop in C").
  *
@@ -73,10 +75,10 @@ int64_t kvf_job_stop(kvf_job *job) {
  * Returns the job's bytes moved so far; *status says why it returned: all moved, stopped, the
  * socket quiet for `hold_ms` (or for `wait_ms` while *waiting > 0: another payload waits for a
  * thread), the peer closed (receiving), or an error (*err = errno). */
-int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
+static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
                  int wait_ms, int hold_ms, const volatile long *waiting, int *status, int *err) {
     int64_t i = 0, here = 0;
-    int quiet = 0;
+    int quiet = 0, lowat = 1; /* receiving: SO_RCVLOWAT set on the socket while this call polls */
     struct pollfd p = { fd, sending ? POLLOUT : POLLIN, 0 };
     for (;;) {
         while (__atomic_load_n(&job->want, __ATOMIC_SEQ_CST)) sched_yield(); /* the loop's turn */
@@ -134,6 +136,11 @@ int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t ch
             *err = e;
             return moved;
         }
+        if (!sending) { /* wake once a chunk (or the rest) is there, not for every segment */
+            int64_t rest = limit - here < chunk ? limit - here : chunk;
+            int w = rest > 65536 ? 65536 : (int)rest;
+            if (w != lowat && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &w, sizeof w) == 0) lowat = w;
+        }
         if (poll(&p, 1, wait_ms) != 0) continue; /* ready, or EINTR: try again */
         quiet += wait_ms;
         if (*waiting > 0 || quiet >= hold_ms) {
@@ -141,6 +148,16 @@ int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t ch
             return moved;
         }
     }
+}
+
+int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
+                 int wait_ms, int hold_ms, const volatile long *waiting, int *status, int *err) {
+    int64_t moved = move(fd, iov, n, limit, chunk, sending, job, wait_ms, hold_ms, waiting, status, err);
+    if (!sending) { /* the loop's reader gets the socket back as it was */
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
+    }
+    return moved;
 }
 
 static struct PyModuleDef pumpc_module = {
