@@ -22,7 +22,7 @@ from ._links import LinkInfo, LinkTable, LocalSide
 from ._listener import Listener
 from ._memory import LocalCache, Registry
 from ._metrics import Metrics, event
-from ._options import parse_options
+from ._options import check_transport_keys, parse_options
 from ._plan import Plan, plan_blocks, plan_cache
 from ._status import (
     LinkResults,
@@ -92,6 +92,7 @@ class LlmDataDist:
                 event("transport_unavailable", cluster=self.cluster_id, transport=name, reason=exc.args[0])
                 side.unavailable[name] = str(exc.args[0]).removeprefix(f"{name}: ")
                 continue
+            check_transport_keys(name, cls.option_keys, ctx_opts)
             transports[name] = cls(TransportContext(self.cluster_id, ctx_opts, self._registry, side.instance,
                                                         opts.worker_priority))
         if not transports:

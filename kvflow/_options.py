@@ -135,3 +135,15 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
     if opts.heartbeat_timeout_ms <= opts.heartbeat_interval_ms:
         raise LLMParamInvalid("option kvflow.HeartbeatTimeout must exceed kvflow.HeartbeatInterval")
     return opts
+
+
+def check_transport_keys(name: str, known: frozenset[str] | None, options: Mapping[str, str]) -> None:
+    """LLMParamInvalid for a ``kvflow.<name>.<key>`` option whose key is not in ``known`` (``None``:
+    the transport checks its own)."""
+    if known is None:
+        return
+    prefix = f"kvflow.{name}."
+    for key in sorted(options):
+        if key.startswith(prefix) and key[len(prefix):] not in known:
+            reads = ", ".join(prefix + k for k in sorted(known)) or "no options"
+            raise LLMParamInvalid(f"unknown option {key!r}: the {name} transport reads {reads}")

@@ -1253,6 +1253,7 @@ class TcpTransport(Transport):
     """Framed scatter-gather over a TCP socket; works between any two hosts."""
 
     name = "tcp"
+    option_keys = frozenset({"BusyPollUs", "InlinePollUs", "NativePump", "ThreadBytes", "Threads"})
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)

@@ -335,6 +335,10 @@ class Transport(abc.ABC):
     name: ClassVar[str]
     #: Whether device (GPU/NPU) memory can be registered with this transport.
     supports_device_memory: ClassVar[bool] = False
+    #: The keys this transport reads as ``kvflow.<name>.<key>`` options: ``initialize`` refuses any
+    #: other key under its name (LLMParamInvalid), so a misspelt option is not silently ignored.
+    #: ``None``: the transport checks its own keys (kvflow-ucx passes UCX variables through).
+    option_keys: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from kvflow import (
     LLMTimeoutError,
     Placement,
 )
+from kvflow._tcp import TcpTransport
 
 from .conftest import DESC, LOCAL_CLUSTER, PEER_CLUSTER, Pair, make_local, start_peer
 
@@ -70,6 +73,25 @@ async def test_bad_options_name_the_key(key: str, value: str) -> None:
         await dd.initialize({key: value})
     assert key in str(err.value)
     assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+@pytest.mark.parametrize("key", ["kvflow.tcp.NativePum", "kvflow.tcp.threads", "kvflow.tcp."])
+async def test_misspelt_transport_option_is_refused_with_the_keys_it_reads(key: str) -> None:
+    dd = LlmDataDist(7)
+    with pytest.raises(LLMParamInvalid) as err:
+        await dd.initialize({"kvflow.Transports": "tcp", key: "1"})
+    assert repr(key) in str(err.value) and "kvflow.tcp.NativePump" in str(err.value)
+    assert err.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+async def test_tcp_reads_exactly_the_options_docs_api_lists_and_accepts_them() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    listed = set(re.findall(r"`kvflow\.tcp\.(\w+)`", doc))
+    assert listed == TcpTransport.option_keys
+    good = {"BusyPollUs": "100", "InlinePollUs": "50", "NativePump": "0", "ThreadBytes": "65536", "Threads": "2"}
+    async with LlmDataDist(7, options={"kvflow.Transports": "tcp",
+                                       **{f"kvflow.tcp.{k}": v for k, v in good.items()}}) as dd:
+        assert dd.transports == ("tcp",)
 
 
 async def test_pinned_unknown_transport_is_feature_not_enabled() -> None:

@@ -231,6 +231,14 @@ def test_bad_options(key: str, value: str) -> None:
         _transport({key: value})
 
 
+@pytest.mark.asyncio
+@requires_cma
+async def test_misspelt_shm_option_is_refused_by_initialize() -> None:
+    dd = LlmDataDist(1, LlmRole.DECODER)
+    with pytest.raises(LLMParamInvalid, match=r"'kvflow\.shm\.InlineByte'.*kvflow\.shm\.InlineBytes, kvflow\.shm\.Threads"):
+        await dd.initialize({**SHM, "kvflow.shm.InlineByte": "0"})
+
+
 class _Channel(LinkChannel):
     """Stands in for the core's channel in endpoint-level tests: records ``broken`` reports."""
 

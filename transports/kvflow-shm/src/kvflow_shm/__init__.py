@@ -637,6 +637,7 @@ class ShmTransport(Transport):
 
     name = "shm"
     supports_device_memory = False
+    option_keys = frozenset({"InlineBytes", "Threads"})
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
