@@ -2,11 +2,11 @@
  *
  * kvflow._pump calls kvf_move through ctypes, which releases the GIL for the whole call: the
  * thread then moves the payload (non-blocking readv / sendmsg of at most `chunk` bytes, poll while
- * the socket is empty or full) without taking the GIL between syscalls. While it receives, the
- * socket's SO_RCVLOWAT is raised to the bytes it waits for (at most 64 KiB), so poll wakes it once
- * per 64 KiB rather than once per segment; kvf_move sets it back to 1 before it returns. A worker that held the GIL
+ * the socket is empty or full) without taking the GIL between syscalls. A worker that held the GIL
  * between two syscalls and lost its core there kept the event loop waiting for it (docs/decisions.md,
- * "tcp payloads: the socket loop in C").
+ * "tcp payloads: the socket loop in C"). While it receives, the socket's SO_RCVLOWAT is raised to the
+ * bytes it waits for (at most 64 KiB), so poll wakes it once per 64 KiB rather than once per segment;
+ * kvf_move sets it back to 1 before it returns.
  *
  * Same rules as kvflow._pump._move: every syscall runs under the job's mutex, and kvf_job_stop takes
  * it, so once kvf_job_stop returns no further byte is read or written. The table is a struct iovec
@@ -137,8 +137,7 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
             return moved;
         }
         if (!sending) { /* wake once a chunk (or the rest) is there, not for every segment */
-            int64_t rest = limit - here < chunk ? limit - here : chunk;
-            int w = rest > 65536 ? 65536 : (int)rest;
+            int w = want > 65536 ? 65536 : (int)want;
             if (w != lowat && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &w, sizeof w) == 0) lowat = w;
         }
         if (poll(&p, 1, wait_ms) != 0) continue; /* ready, or EINTR: try again */
