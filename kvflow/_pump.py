@@ -11,11 +11,11 @@ So threads shared by many links cannot wait on each other for ever (two processe
 send to each other free one within ``WAIT_S``), and a stalled peer does not hold a thread for long.
 See docs/decisions.md, "tcp: 64 KiB per socket syscall".
 
-With ``kvflow.tcp.NativePump=1`` (opt-in) and where ``kvflow._pumpc`` was built (a C file compiled at
+By default (``kvflow.tcp.NativePump=1``) and where ``kvflow._pumpc`` was built (a C file compiled at
 install; see setup.py), the thread runs that loop in C, called once per payload through ctypes with
 the GIL released throughout, so no Python runs between its syscalls; the loop thread takes the socket
-from it (``Job.hold``) for its own reads and sends on that socket. Otherwise the same loop runs in
-Python. Why it is not the default: docs/decisions.md, "tcp payloads: the socket loop in C".
+from it (``Job.hold``) for its own reads and sends on that socket. Otherwise (``NativePump=0``, or
+no C part) the same loop runs in Python. Why: docs/decisions.md, "tcp payloads: the socket loop in C".
 
 Every syscall runs under the job's lock: ``Job.stop()`` takes it, so once ``stop()`` returns the
 thread touches neither that memory nor the socket again, and the job's cursor and ``left`` say

@@ -1261,8 +1261,8 @@ class TcpTransport(Transport):
         #: 0 moves every payload on the loop thread
         self.thread_bytes = ctx.int_option("kvflow.tcp.ThreadBytes", DEFAULT_THREAD_BYTES, 0)
         self.threads = ctx.int_option("kvflow.tcp.Threads", DEFAULT_THREADS, 1, 64)
-        #: 1: the worker threads move payloads in C where it was built (opt-in: docs/decisions.md)
-        self.native_pump = ctx.int_option("kvflow.tcp.NativePump", 0, 0, 1) == 1
+        #: 1 (default): the worker threads move payloads in C where it was built; 0: in Python
+        self.native_pump = ctx.int_option("kvflow.tcp.NativePump", 1, 0, 1) == 1
         #: 0: a small transfer always waits for its reply on the loop
         self.inline_poll = min(self.busy_poll,
                                ctx.int_option("kvflow.tcp.InlinePollUs", DEFAULT_INLINE_POLL_US, 0, 100_000) / 1e6)
