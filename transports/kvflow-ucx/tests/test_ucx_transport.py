@@ -297,6 +297,60 @@ async def test_large_batches_over_shared_memory_are_copied_by_the_helper_thread_
                                       small_src[t][i * 4096:(i + 1) * 4096])
 
 
+async def _helper_pulls(window: int | None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pull 2 x 64 MiB of 16 KiB blocks in shuffled order over CMA, three times, with the helper
+    thread's window set to ``window`` bytes (None: the default); each pull's bytes are checked and
+    the number of times the helper woke the loop for it is returned."""
+    if _lib_version() < (1, 22):
+        pytest.skip("older UCX: no CMA RMA in peer-error mode")
+    from kvflow_ucx import _transport as tr
+
+    if window is not None:
+        monkeypatch.setattr(tr, "HELPER_WINDOW", window)
+    async with _linked_pair(_opts("sm")) as (a, b):
+        desc = CacheDesc(num_tensors=2, data_type=DataType.DT_UINT8, shape=[4096, 16 << 10])
+        rng = np.random.default_rng(5)
+        src = [rng.integers(0, 256, desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        dst = [np.zeros(desc.tensor_bytes, dtype=np.uint8) for _ in range(2)]
+        remote = CacheIndex(1, (await a.register_kv_cache(desc, src)).cache_id)
+        local = await b.register_kv_cache(desc, dst)
+        order = [int(x) for x in rng.permutation(4096)]
+        await b.pull_kv_blocks(remote, local, [0], [0])  # wires the endpoint up
+        progress = inspect.link(b, 1).endpoint._progress  # type: ignore[union-attr]
+        notices = []
+        for _ in range(3):
+            for d in dst:
+                d[:] = 0
+            before = progress.notices
+            await b.pull_kv_blocks(remote, local, list(range(4096)), order, timeout_in_millis=30_000)
+            notices.append(progress.notices - before)
+            for s_, d_ in zip(src, dst, strict=True):
+                assert np.array_equal(d_.reshape(4096, -1)[order], s_.reshape(4096, -1))
+        return notices
+
+
+@pytest.mark.asyncio
+async def test_a_large_batch_on_the_helper_thread_wakes_the_loop_only_to_finish(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """8192 scattered runs, 128 MiB: the loop issues them all in calls of HELPER_RUNS and then sleeps;
+    the helper wakes it for the completion and its own stop, not for each chunk (a 64 MiB window of
+    16 MiB chunks woke it for each of them, and each wake can make a host's sleep late)."""
+    notices = await _helper_pulls(None, monkeypatch)
+    print(f"\nhelper wake-ups of the loop per 128 MiB pull: {notices}")
+    assert max(notices) <= 2
+
+
+@pytest.mark.asyncio
+async def test_a_batch_larger_than_the_helper_window_waits_for_half_of_it_and_lands_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the window cut to 8 MiB the loop waits for freed window many times per pull (a chunk
+    frees its bytes when its last run completes: 16 waits); the helper tells it each time half the
+    window is free (kvf_worker_wake_below), and every byte lands."""
+    notices = await _helper_pulls(8 << 20, monkeypatch)
+    print(f"\nhelper wake-ups of the loop per 128 MiB pull, 8 MiB window: {notices}")
+    assert min(notices) >= 8  # 128 MiB through an 8 MiB window: it waited, and was woken each time
+
+
 @pytest.mark.requires_rdma
 @pytest.mark.asyncio
 async def test_conformance_over_rdma() -> None:

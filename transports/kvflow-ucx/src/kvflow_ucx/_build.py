@@ -115,6 +115,7 @@ size_t kvf_rma(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                const int64_t *ridx, ucp_rkey_h *rkey_tab, uint64_t max_bytes);
 int kvf_op_flush(kvf_op *op, kvf_ep *e);
 uint64_t kvf_worker_inflight(kvf_worker *w);
+void kvf_worker_wake_below(kvf_worker *w, uint64_t bytes);
 int kvf_op_status(kvf_op *op);
 int kvf_op_finish(kvf_op *op, int *status);
 int64_t kvf_rma_now(kvf_ep *e, uint64_t id, int is_put, size_t n, const uint64_t *table,
@@ -184,7 +185,8 @@ typedef struct kvf_worker {
     int helper_started, helper_on, helper_idle, stop;
     int notify_fd;  /* written when the helper has events or freed window for the loop */
     int notified;   /* the loop has been told and has not drained events since */
-    int wake;       /* in-flight bytes went down since the loop was last told */
+    int wake;       /* in-flight bytes went below wake_below since the loop was last told */
+    uint64_t wake_below;  /* the helper tells the loop when a chunk leaves fewer bytes in flight */
 } kvf_worker;
 
 static void kvf_enter(kvf_worker *w)
@@ -267,6 +269,7 @@ static ucs_status_t kvf_worker_open(kvf_worker *w)
         pthread_cond_destroy(&w->cv);
         return UCS_ERR_NO_RESOURCE;
     }
+    w->wake_below = UINT64_MAX;
     w->notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (w->notify_fd < 0) {
         pthread_mutex_destroy(&w->evmu);
@@ -708,8 +711,11 @@ typedef struct kvf_chunk {
 static void kvf_chunk_release(kvf_chunk *c)
 {
     if (--c->pending == 0) {
-        __atomic_sub_fetch(&c->op->w->inflight, c->bytes, __ATOMIC_RELEASE);
-        c->op->w->wake = 1;
+        kvf_worker *w = c->op->w;
+        if (__atomic_sub_fetch(&w->inflight, c->bytes, __ATOMIC_SEQ_CST) <
+            __atomic_load_n(&w->wake_below, __ATOMIC_SEQ_CST)) {
+            w->wake = 1;
+        }
         kvf_op_release(c->op);
         free(c);
     }
@@ -726,6 +732,13 @@ static void kvf_chunk_cb(void *request, ucs_status_t status, void *user_data)
 }
 
 uint64_t kvf_worker_inflight(kvf_worker *w) { return kvf_inflight(w); }
+
+/* From now on the helper tells the loop each time a completed chunk leaves fewer than `bytes`
+ * in flight (the loop waits for window); 0: only for events and when it stops. */
+void kvf_worker_wake_below(kvf_worker *w, uint64_t bytes)
+{
+    __atomic_store_n(&w->wake_below, bytes, __ATOMIC_SEQ_CST);
+}
 
 static size_t kvf_rma_u(kvf_op *op, kvf_ep *e, int is_put, size_t n,
                const uint64_t *laddr, const uint64_t *raddr, const uint64_t *len,

@@ -447,9 +447,15 @@ class Worker:
         """Bytes of get/put issued on this worker that have not completed yet."""
         return self.lib.kvf_worker_inflight(self._h)
 
+    def wake_below(self, nbytes: int) -> None:
+        """Have the helper thread tell the loop (:attr:`notify_fd`) each time a completed chunk
+        leaves fewer than ``nbytes`` in flight; 0 for only events and its stop."""
+        self.lib.kvf_worker_wake_below(self._h, nbytes)
+
     def helper_start(self, idle: bool = True) -> None:
         """Have the worker's helper thread progress it until no RMA byte is in flight; it writes to
-        :attr:`notify_fd` when there are events to drain or window freed, and once when it stops.
+        :attr:`notify_fd` when there are events to drain or window freed (:meth:`wake_below`), and
+        once when it stops.
         ``idle``: the thread, when first started, runs under ``SCHED_IDLE``."""
         _check(self.lib.kvf_helper_start(self._h, 1 if idle else 0), "pthread_create")
 

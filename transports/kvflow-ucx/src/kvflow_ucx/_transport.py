@@ -83,6 +83,14 @@ WATCHDOG_S = 0.05
 #: loop's wake-ups), so one pull of 1 MiB took 156 us on the loop and 216-226 us through the helper,
 #: and the two meet at 2 MiB (265-340 against 297-306 us; docs/benchmarks.md).
 HELPER_BYTES = 2 << 20
+#: Such a batch is issued with a window of HELPER_WINDOW bytes, in calls of at most HELPER_RUNS runs
+#: (about 0.1 ms of the loop each), and the loop is told only once half the window is free: each
+#: time it has to wake to issue more, a host's ``asyncio.sleep`` due after it can fire up to 1 ms
+#: late under uvloop's whole-millisecond timers, and 16 MiB chunks in a 64 MiB window woke it every
+#: 3 ms of a 1 GiB pull (docs/benchmarks.md). A cancelled batch with more in flight than
+#: CANCEL_SETTLE_S drains resets the endpoint instead of waiting.
+HELPER_WINDOW = 1 << 30
+HELPER_RUNS = 1024
 #: ``read_now``/``write_now``: a batch of at most this many bytes is issued and completed on the
 #: spot, without the event fd, when the endpoint's RMA lanes are ones where the initiator's own
 #: process moves the bytes (cross-memory attach, knem, xpmem: the peer takes no part).
@@ -224,8 +232,10 @@ class _Progress:
         self.wakeups = 0
         self.helper = False  # the worker's helper thread progresses it; the loop only drains events
         self.handovers = 0  # times a batch was handed to the helper thread
+        self.notices = 0  # times the helper thread woke the loop (events, freed window, its stop)
         loop.add_reader(self._fd, self._on_readable)
         loop.add_reader(worker.notify_fd, self._on_notify)
+        worker.wake_below(0)  # the helper tells the loop of freed window only while it waits for it
         self.kick()
 
     def track(self, op: ll.Op, what: str) -> asyncio.Future[None]:
@@ -260,6 +270,7 @@ class _Progress:
         self._run()
 
     def _on_notify(self) -> None:
+        self.notices += 1
         try:
             os.read(self.worker.notify_fd, 8)
         except BlockingIOError:
@@ -299,6 +310,7 @@ class _Progress:
 
     def _wake_waiters(self) -> None:
         if self._waiters:
+            self.worker.wake_below(0)  # a waiter that still needs window asks again
             waiters, self._waiters = self._waiters, []
             for fut in waiters:
                 if not fut.done():
@@ -660,6 +672,10 @@ class UcxEndpoint(Endpoint):
         # worker's helper thread, not on the loop.
         threaded = self._local_rma() and int(lengths.sum()) >= HELPER_BYTES
         wake = progress.hand_over if threaded else progress.kick
+        runs, low = n, window  # runs per call into C; wait for in-flight bytes below low
+        if threaded:
+            window = chunk = HELPER_WINDOW
+            runs, low = HELPER_RUNS, HELPER_WINDOW // 2
         fut = progress.track(op, what)
         self._inflight.add(fut)
         cancelled: asyncio.CancelledError | None = None
@@ -668,14 +684,17 @@ class UcxEndpoint(Endpoint):
             while i < n:
                 room = min(window - worker.inflight(), chunk)
                 if room > 0:
-                    i += ep.rma(op, put, laddr[i:], raddr[i:], lengths[i:], lidx[i:], mapped.table,
-                                ridx[i:], keys.table, room)
+                    j = min(n, i + runs)
+                    i += ep.rma(op, put, laddr[i:j], raddr[i:j], lengths[i:j], lidx[i:j], mapped.table,
+                                ridx[i:j], keys.table, room)
                     if op.status() != ll.UCS_OK or i >= n:
                         break
                 wake()
                 try:  # let completions in (and other tasks run) before issuing more
                     if worker.inflight() >= window:
-                        await progress.next_run()
+                        worker.wake_below(low)  # first, then look: a chunk completing between is seen
+                        if worker.inflight() >= low:
+                            await progress.next_run()
                     else:
                         await asyncio.sleep(0)
                 except asyncio.CancelledError as exc:  # stop issuing; what was issued still completes
