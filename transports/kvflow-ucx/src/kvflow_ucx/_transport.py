@@ -68,8 +68,9 @@ SPIN_US = 50
 #: the endpoint. UCX cannot retract a get or put it has started (``ucp_request_cancel`` cancels
 #: only tag receives), so the alternative to waiting is force-closing the UCP endpoint: that
 #: completes every request on it as cancelled, and nothing lands through it afterwards. Where UCX
-#: moves the bytes itself (CMA, RDMA) the issued window drains in milliseconds whatever the peer
-#: does; where it emulates RMA with messages (TCP) a stalled peer holds them until it resumes.
+#: moves the bytes itself (CMA, RDMA) the issued window drains at copy speed whatever the peer
+#: does (up to ``HELPER_WINDOW`` of it: some 200 ms); where it emulates RMA with messages (TCP) a
+#: stalled peer holds them until it resumes.
 CANCEL_SETTLE_S = 0.05
 #: After a reset, how long the cancelled transfer waits for UCX to complete its purged requests.
 RESET_PURGE_S = 1.0
