@@ -1036,25 +1036,27 @@ async def test_peer_exceeding_outstanding_requests_loses_the_link(cleanup: list[
     assert addr is not None and g is not None
     base = cache.tensor_addrs[0]
 
-    def greedy() -> int:
-        c = RawClient(addr)
-        try:
-            c.handshake(9, PEER)
-            assert c.data is not None
-            n = 0
-            for i in range(tcp.MAX_OUTSTANDING_FRAMES + 64):  # 1 MiB reads, never reading the answers
-                try:
-                    c.data.sendall(c.data_frame(tcp.READ_REQ, i + 1, cache.cache_id, [(base, 1 << 20)]))
-                except OSError:
-                    break
-                n += 1
-            return n
-        finally:
-            time.sleep(0.2)
-            c.close()
+    c = RawClient(addr)
 
-    await asyncio.to_thread(greedy)
-    await until(lambda: 9 not in inspect.links(srv) or not inspect.links(srv)[9].healthy, 5, "the greedy link to break")
+    def greedy() -> int:
+        c.handshake(9, PEER)
+        assert c.data is not None
+        c.data.settimeout(10)  # a server that stopped reading without breaking the link fails the test
+        n = 0
+        for i in range(tcp.MAX_OUTSTANDING_FRAMES + 64):  # 1 MiB reads, never reading the answers
+            try:
+                c.data.sendall(c.data_frame(tcp.READ_REQ, i + 1, cache.cache_id, [(base, 1 << 20)]))
+            except OSError:
+                break
+            n += 1
+        return n
+
+    try:  # open until the server has judged the link: a close before that breaks it as a failed send
+        await asyncio.to_thread(greedy)
+        await until(lambda: 9 not in inspect.links(srv) or not inspect.links(srv)[9].healthy, 5,
+                    "the greedy link to break")
+    finally:
+        c.close()
     assert "outstanding" in str(inspect.links(srv)[9].error)
     local = inspect.local_cache(srv, cache.cache_id)
     assert local.inflight == 0 and not local.pins
