@@ -26,7 +26,6 @@ import struct
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_threads
 from typing import Any
 
 import numpy as np
@@ -321,23 +320,75 @@ async def _settle(futs: list[asyncio.Future[Any]]) -> None:
             fut.exception()  # retrieved: the caller raises its own error
 
 
-def _check_and_start(pool: ThreadPoolExecutor, table: np.ndarray, args: tuple[Any, ...], total: int, threads: int,
-                     stop: ll.StopFlag) -> list[Future[int]]:
-    """On a copy thread: check every run of the batch (RunOutOfBounds before any byte moves), then
-    submit its copy, split by bytes over the threads; the parts' futures."""
-    pid, write, *_, lregions, rregions = args
-    ll.transfer_table(pid, write, table, lregions, rregions, 0, ll.scratch())  # checks both sides; moves nothing
-    cfs: list[Future[int]] = []
-    try:
-        for part in _split(args, total, threads):
-            cfs.append(pool.submit(ll.transfer, *part, stop=stop))
-    except RuntimeError:  # the pool is shutting down: stop the parts already submitted, and wait
-        stop.set()
-        for cf in cfs:
-            cf.cancel()
-        wait_threads(cfs)
-        raise LLMLinkFailed("shm transport is closing: its copy threads are shut down") from None
-    return cfs
+class _Parts:
+    """One batch's copy on the copy threads: its parts share ``stop``, and the last part to end sets
+    ``done`` to the error to raise (None: every byte moved). One future per batch, so the event loop
+    is woken once when the batch is over, not once per part and once more for its check."""
+
+    __slots__ = ("_errors", "_left", "_lock", "done", "stop")
+
+    def __init__(self, stop: ll.StopFlag) -> None:
+        self.stop = stop
+        self.done: Future[BaseException | None] = Future()
+        self._lock = threading.Lock()
+        self._left = 0
+        self._errors: list[BaseException] = []
+
+    def start(self, pool: ThreadPoolExecutor, args: tuple[Any, ...], total: int, threads: int) -> None:
+        """Submit the copy, split by bytes over the threads."""
+        self._submit(pool, _split(args, total, threads))
+
+    def check_and_start(self, pool: ThreadPoolExecutor, table: np.ndarray, args: tuple[Any, ...], total: int,
+                        threads: int) -> None:
+        """On a copy thread: check every run of the batch (RunOutOfBounds before any byte moves),
+        then submit its copy, split by bytes over the threads."""
+        pid, write, *_, lregions, rregions = args
+        try:
+            if self.stop.is_set():
+                raise ll.CopyStopped(0)
+            ll.transfer_table(pid, write, table, lregions, rregions, 0, ll.scratch())  # checks; moves nothing
+            parts = _split(args, total, threads)
+        except BaseException as exc:  # noqa: BLE001 - the batch's result: raised on the loop
+            self._left = 1
+            self._end(exc)
+            return
+        self._submit(pool, parts)
+
+    def _submit(self, pool: ThreadPoolExecutor, parts: list[tuple[Any, ...]]) -> None:
+        self._left = len(parts)
+        for i, part in enumerate(parts):
+            try:
+                pool.submit(self._copy, part)
+            except RuntimeError:  # the pool is shutting down: the parts submitted stop early
+                self.stop.set()
+                for _ in parts[i:]:
+                    self._end(LLMLinkFailed("shm transport is closing: its copy threads are shut down"))
+                return
+
+    def _copy(self, part: tuple[Any, ...]) -> None:
+        try:
+            if self.stop.is_set():  # cancelled, or another part failed, before this one began
+                raise ll.CopyStopped(0)
+            ll.transfer(*part, stop=self.stop)
+        except BaseException as exc:  # noqa: BLE001 - the batch's result: raised on the loop
+            if not isinstance(exc, ll.CopyStopped):
+                self.stop.set()  # the other parts stop at their next syscall
+            self._end(exc)
+        else:
+            self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        with self._lock:
+            if exc is not None:
+                if isinstance(exc, (ll.CopyStopped, LLMException)):  # raised again on the loop: its
+                    exc.__traceback__ = None  # thread frames (which hold self) would make a cycle
+                self._errors.append(exc)
+            self._left -= 1
+            if self._left:
+                return
+            errors = self._errors
+        self.done.set_result(next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0])
+                             if errors else None)
 
 
 def _split(args: tuple[Any, ...], total: int, threads: int) -> list[tuple[Any, ...]]:
@@ -394,7 +445,7 @@ class ShmEndpoint(Endpoint):
         t = self._transport
         out = self._out if threading.get_ident() == self._loop_thread else ll.scratch()
         try:
-            table = batch.table  # every run is checked here (batches of more runs: by _check_and_start)
+            table = batch.table  # every run is checked here (batches of more runs: on a copy thread)
             moved = ll.transfer_table(self.pid, write, table, t._local_regions(batch.local_cache),
                                       _remote_regions(batch.remote_cache),
                                       t.inline_bytes if table.shape[1] <= INLINE_RUNS else 0, out)
@@ -502,53 +553,27 @@ class ShmEndpoint(Endpoint):
     async def _copy(self, batch: RunBatch, args: tuple[Any, ...], stop: ll.StopFlag) -> BaseException | None:
         """Copy ``batch`` on the copy threads, split by bytes; the error to raise (None: all copied).
         Too large for the loop thread: a batch of more than ``INLINE_RUNS`` runs is also checked and
-        split by a copy thread (``_check_and_start``), so the loop only hands it over. Returns or
-        raises only once no part can write any more: on cancellation each copy loop stops at its
-        next syscall boundary (or before it starts) and is waited for."""
+        split by a copy thread (``_Parts.check_and_start``), so the loop only hands it over. Returns
+        only once no part can write any more: on cancellation each part stops at its next syscall
+        boundary (or before it starts), and the copy is waited for before the cancellation is raised."""
         t = self._transport
         pool = t._executor()
-        head: Future[list[Future[int]]] | None = None
-        cfs: list[Future[int]] = []
+        parts = _Parts(stop)
+        if len(batch) > INLINE_RUNS:
+            try:
+                pool.submit(parts.check_and_start, pool, batch.table, args, batch.nbytes, t.threads)
+            except RuntimeError:  # the pool is shut down: the transport is closing
+                return LLMLinkFailed("shm transport is closing: its copy threads are shut down")
+        else:  # read_now has checked it
+            parts.start(pool, args, batch.nbytes, t.threads)
+        done = asyncio.wrap_future(parts.done, loop=self._loop)
         try:
-            if len(batch) > INLINE_RUNS:
-                head = pool.submit(_check_and_start, pool, batch.table, args, batch.nbytes, t.threads, stop)
-            else:  # read_now has checked it
-                for part in _split(args, batch.nbytes, t.threads):
-                    cfs.append(pool.submit(ll.transfer, *part, stop=stop))
-        except RuntimeError:  # the pool is shut down: the transport is closing
-            stop.set()
-            await _settle([asyncio.wrap_future(cf, loop=self._loop) for cf in cfs])
-            return LLMLinkFailed("shm transport is closing: its copy threads are shut down")
-        # One asyncio wrapper per concurrent future, made once and settled by whichever path ends
-        # the copy: a wrapper left behind would report its CopyStopped as never retrieved.
-        head_w = None if head is None else asyncio.wrap_future(head, loop=self._loop)
-        parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
-        try:
-            if head_w is not None:
-                await asyncio.wait([head_w])  # a cancel leaves head alone
-                failed = head_w.exception()
-                if failed is not None:
-                    return failed
-                cfs = head_w.result()
-                parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
-            await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
-            if not all(f.done() for f in parts):  # one part failed: stop the others first
-                stop.set()
-                await _settle(parts)
-            errors = [e for f in parts if not f.cancelled() and (e := f.exception()) is not None]
-            return next((e for e in errors if not isinstance(e, ll.CopyStopped)), errors[0]) if errors else None
+            await asyncio.wait((done,))  # a cancel leaves the copy alone: it is stopped, then waited for
         except asyncio.CancelledError:
             stop.set()
-            if head is not None and head_w is not None and not cfs:
-                head.cancel()  # not yet started: never starts, and submits no parts
-                await _settle([head_w])
-                if not head_w.cancelled() and head_w.exception() is None:
-                    cfs = head_w.result()
-                    parts = [asyncio.wrap_future(cf, loop=self._loop) for cf in cfs]
-            for cf in cfs:
-                cf.cancel()  # not yet started: never starts
-            await _settle(parts)
+            await _settle([done])
             raise
+        return done.result()
 
     def _broken(self, exc: LLMException) -> None:
         if threading.get_ident() != self._loop_thread:  # a kvflow.sync caller's copy failed
