@@ -456,16 +456,21 @@ class Plan:
             return int(ln[j:m].sum())
         return int(ln[j:].sum()) + (k - i - 1) * int(ln.sum()) + int(ln[:m].sum())
 
-    def columns(self, a: int, b: int) -> np.ndarray:
-        """Runs ``a..b-1`` as a new (5, b-a) table (the table's own columns when it is not factored)."""
+    def columns(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Runs ``a..b-1`` as a new (5, b-a) table (the table's own columns when it is not factored),
+        or written into ``out``, a (5, b-a) uint64 array (a view of a larger table)."""
         self._made()
         f = self._factors
         if f is None:
             assert self._table is not None
+            if out is not None:
+                out[:] = self._table[:, a:b]
+                return out
             return self._table if (a, b) == (0, self._table.shape[1]) else np.ascontiguousarray(self._table[:, a:b])
         la, ra, lo, ro, ln, lt, rt = f
         nr = lo.size
-        out = np.empty((5, b - a), dtype=np.uint64)
+        if out is None:
+            out = np.empty((5, b - a), dtype=np.uint64)
         c = a
         while c < b:
             i, j = divmod(c, nr)

@@ -284,6 +284,11 @@ class Endpoint(abc.ABC):
     #: loop's (``kvflow.sync`` callers), one at a time across the process: they must then reach the
     #: loop only through ``call_soon_threadsafe``. The core retires nothing under such a call.
     now_threadsafe: ClassVar[bool] = False
+    #: The most runs the core hands to one ``read`` / ``write`` when it moves a large plan in
+    #: batches (capped at 65536: the core makes each batch's table on the loop thread). A transport
+    #: that checks and copies a large batch off the loop may raise it, so that a plan wakes the loop
+    #: once per batch fewer times; one that does per-run work on the loop keeps the default.
+    max_runs: ClassVar[int] = 8192
 
     @abc.abstractmethod
     async def read(self, batch: RunBatch) -> None:

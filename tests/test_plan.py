@@ -161,7 +161,14 @@ def test_a_long_block_list_is_planned_in_steps_into_the_same_runs_as_block_by_bl
     assert sum(p.nbytes_of(a, min(len(p), a + 1000)) for a in range(0, len(p), 1000)) == p.nbytes
     want = [(int(src_addrs[t]) + s * 16, int(dst_addrs[t]) + d * 16, t, t) for t in range(3) for s, d in zip(sb, db)]
     assert _expanded(p, 16) == want
+    into = np.zeros((5, len(p)), dtype=np.uint64)  # as the engine makes a large batch: slice by slice
+    for a in range(0, len(p), 1000):
+        p.columns(a, min(len(p), a + 1000), into[:, a:a + 1000])
     assert np.array_equal(np.concatenate(pieces, axis=1), p.table)
+    assert np.array_equal(into, p.table)
+    into[:] = 0  # and from a whole table, no longer factored
+    p.columns(7, len(p) - 3, into[:, 7:len(p) - 3])
+    assert np.array_equal(into[:, 7:len(p) - 3], p.table[:, 7:len(p) - 3]) and not into[:, :7].any()
 
 
 def test_long_block_lists_get_the_same_typed_errors_as_short_ones() -> None:

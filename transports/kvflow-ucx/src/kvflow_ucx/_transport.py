@@ -412,6 +412,9 @@ class UcxEndpoint(Endpoint):
     endpoint (the peer died, the connection broke) still breaks the link. ``_gen`` counts the
     replacements (``resets`` too); rkeys are unpacked per UCP endpoint, so per generation."""
 
+    max_runs = 65536  # a batch is checked in one C call and issued HELPER_RUNS runs per loop turn: a
+    # larger one wakes the loop no more often, and a plan of fewer batches wakes it fewer times
+
     def __init__(self, transport: UcxTransport, ep: ll.Endpoint, channel: LinkChannel,
                  address: bytes) -> None:
         self._t = transport
