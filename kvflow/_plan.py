@@ -457,8 +457,7 @@ class Plan:
         return int(ln[j:].sum()) + (k - i - 1) * int(ln.sum()) + int(ln[:m].sum())
 
     def columns(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Runs ``a..b-1`` as a new (5, b-a) table (the table's own columns when it is not factored),
-        or written into ``out``, a (5, b-a) uint64 array (a view of a larger table)."""
+        """Runs ``a..b-1`` as a (5, b-a) uint64 table: new, the plan's own, or ``out`` (a view of a larger one)."""
         self._made()
         f = self._factors
         if f is None:
@@ -468,10 +467,8 @@ class Plan:
                 return out
             return self._table if (a, b) == (0, self._table.shape[1]) else np.ascontiguousarray(self._table[:, a:b])
         la, ra, lo, ro, ln, lt, rt = f
-        nr = lo.size
-        if out is None:
-            out = np.empty((5, b - a), dtype=np.uint64)
-        c = a
+        nr, c = lo.size, a
+        out = np.empty((5, b - a), dtype=np.uint64) if out is None else out
         while c < b:
             i, j = divmod(c, nr)
             o = c - a
