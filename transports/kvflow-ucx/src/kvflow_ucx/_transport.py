@@ -84,7 +84,9 @@ WATCHDOG_S = 0.05
 #: loop's wake-ups), so one pull of 1 MiB took 156 us on the loop and 216-226 us through the helper,
 #: and the two meet at 2 MiB (265-340 against 297-306 us; docs/benchmarks.md).
 HELPER_BYTES = 2 << 20
-#: Such a batch is issued with a window of HELPER_WINDOW bytes, in calls of at most HELPER_RUNS runs
+#: Every batch is issued in calls of at most HELPER_RUNS runs: a 65536-run batch of 16-byte runs in
+#: one call held the loop 15-18 ms (tests/test_loop_hold.py, ucx-sm). One that the helper progresses
+#: is issued with a window of HELPER_WINDOW bytes, in such calls
 #: (about 0.1 ms of the loop each), and the loop is told only once half the window is free: each
 #: time it has to wake to issue more, a host's ``asyncio.sleep`` due after it can fire up to 1 ms
 #: late under uvloop's whole-millisecond timers, and 16 MiB chunks in a 64 MiB window woke it every
@@ -676,7 +678,7 @@ class UcxEndpoint(Endpoint):
         # worker's helper thread, not on the loop.
         threaded = self._local_rma() and int(lengths.sum()) >= HELPER_BYTES
         wake = progress.hand_over if threaded else progress.kick
-        runs, low = n, window  # runs per call into C; wait for in-flight bytes below low
+        runs, low = min(n, HELPER_RUNS), window  # runs per call into C; wait for in-flight bytes below low
         if threaded:
             window = chunk = HELPER_WINDOW
             runs, low = HELPER_RUNS, HELPER_WINDOW // 2
