@@ -63,8 +63,9 @@ class Peer:
     """The peer process, driven by commands; raises the peer's typed errors here."""
 
     def __init__(self, proc: PeerProcess, address: tuple[str, int], transport: str,
-                 options: dict[str, str]) -> None:
+                 options: dict[str, str], variant: str = "") -> None:
         self.proc = proc
+        self.variant = variant  # the name start_peer was given (``ucx-tcp``, ...)
         self.address = address
         self.transport = transport
         self.options = options  # what both sides pass to initialize
@@ -90,7 +91,7 @@ def start_peer(variant: str) -> Peer:
         raise RuntimeError("peer process did not start")
     kind, address = proc.conn.recv()
     assert kind == "ready", (kind, address)
-    return Peer(proc, tuple(address), transport, options)
+    return Peer(proc, tuple(address), transport, options, variant)
 
 
 @pytest.fixture(scope="module", params=_api_transports())

@@ -53,13 +53,16 @@ log = logging.getLogger("kvflow.ucx")
 __all__ = ["UcxEndpoint", "UcxTransport"]
 
 #: Flow control: (bytes of get/put in flight per worker, bytes issued per call into C, largest
-#: piece a long run is cut into). Over TCP, UCX emulates RMA with messages and one progress call
-#: drains whatever it holds (on either side), so the window bounds the time one call (and so the
-#: event loop) can take to about a millisecond. Over shared memory (CMA moves one 512 KiB segment
-#: per progress call) and RDMA (the NIC moves the bytes) a deep window costs nothing and keeps the
-#: pipe full. A put chunk ends with a flush, so put bytes count until the peer has them.
-LIMITS_TCP = (4 << 20, 1 << 20, 1 << 20)
-LIMITS_FAST = (64 << 20, 16 << 20, 8 << 20)
+#: piece a long run is cut into, runs issued per call into C). Over TCP, UCX emulates RMA with
+#: messages and one progress call drains whatever it holds (on either side), so the window bounds
+#: the time one call (and so the event loop) can take to about a millisecond; and each get or put
+#: is a message sent then and there, so 1024 runs of 512 bytes issued in one call held the loop
+#: 7-10 ms (tests/test_loop_hold.py, ucx-tcp): a call issues at most TCP_RUNS runs, about 0.5 ms.
+#: Over shared memory (CMA moves one 512 KiB segment per progress call) and RDMA (the NIC moves
+#: the bytes) a deep window costs nothing and keeps the pipe full. A put chunk ends with a flush,
+#: so put bytes count until the peer has them.
+TCP_RUNS = 64
+LIMITS_TCP = (4 << 20, 1 << 20, 1 << 20, TCP_RUNS)
 #: While get/put bytes are in flight (and no completion is ready), a progress pass keeps polling
 #: this long after the last work before it re-arms and sleeps: waking through the fd costs more
 #: than a short spin when the next completion is microseconds away. Idle, nothing spins.
@@ -94,6 +97,7 @@ HELPER_BYTES = 2 << 20
 #: CANCEL_SETTLE_S drains resets the endpoint instead of waiting.
 HELPER_WINDOW = 1 << 30
 HELPER_RUNS = 1024
+LIMITS_FAST = (64 << 20, 16 << 20, 8 << 20, HELPER_RUNS)
 #: ``read_now``/``write_now``: a batch of at most this many bytes is issued and completed on the
 #: spot, without the event fd, when the endpoint's RMA lanes are ones where the initiator's own
 #: process moves the bytes (cross-memory attach, knem, xpmem: the peer takes no part).
@@ -414,8 +418,9 @@ class UcxEndpoint(Endpoint):
     endpoint (the peer died, the connection broke) still breaks the link. ``_gen`` counts the
     replacements (``resets`` too); rkeys are unpacked per UCP endpoint, so per generation."""
 
-    max_runs = 65536  # a batch is checked in one C call and issued HELPER_RUNS runs per loop turn: a
-    # larger one wakes the loop no more often, and a plan of fewer batches wakes it fewer times
+    #: A batch is checked in one C call and issued HELPER_RUNS runs (TCP_RUNS over TCP) per loop
+    #: turn: a larger one wakes the loop no more often, and a plan of fewer batches fewer times.
+    max_runs = 65536
 
     def __init__(self, transport: UcxTransport, ep: ll.Endpoint, channel: LinkChannel,
                  address: bytes) -> None:
@@ -434,7 +439,7 @@ class UcxEndpoint(Endpoint):
         self._garbage: list[Any] = []  # rkeys of dropped remote caches, destroyed when idle
         self._closing: asyncio.Future[None] | None = None
         self._key = f"ucx:{id(self)}"
-        self._lim: tuple[int, int, int] | None = None
+        self._lim: tuple[int, int, int, int] | None = None
         self._now: tuple[int, bool] | None = None  # (generation, whether the now-path applies)
         self.moved_now = 0  # batches read_now/write_now moved
         self._progress.ep_handlers[ep.id] = self
@@ -502,7 +507,7 @@ class UcxEndpoint(Endpoint):
     async def write(self, batch: RunBatch) -> None:
         await self._move(batch, True)
 
-    def _limits(self) -> tuple[int, int, int]:
+    def _limits(self) -> tuple[int, int, int, int]:
         """Flow-control limits for this endpoint's lanes (TCP's until UCX has wired it up)."""
         if self._lim is None:
             info = self._ep.info()
@@ -669,7 +674,7 @@ class UcxEndpoint(Endpoint):
         Raises :class:`_Replaced` when the endpoint was reset before they all completed."""
         ep = self._ep
         n = lengths.size
-        window, chunk, _ = self._limits()
+        window, chunk, _, runs = self._limits()
         worker = self._t._worker
         op = worker.new_op()
         what = "ucp_put_nbx" if put else "ucp_get_nbx"
@@ -678,10 +683,10 @@ class UcxEndpoint(Endpoint):
         # worker's helper thread, not on the loop.
         threaded = self._local_rma() and int(lengths.sum()) >= HELPER_BYTES
         wake = progress.hand_over if threaded else progress.kick
-        runs, low = min(n, HELPER_RUNS), window  # runs per call into C; wait for in-flight bytes below low
+        low = window  # wait for in-flight bytes below low
         if threaded:
             window = chunk = HELPER_WINDOW
-            runs, low = HELPER_RUNS, HELPER_WINDOW // 2
+            low = HELPER_WINDOW // 2
         fut = progress.track(op, what)
         self._inflight.add(fut)
         cancelled: asyncio.CancelledError | None = None
