@@ -87,7 +87,8 @@ WATCHDOG_S = 0.05
 #: loop's wake-ups), so one pull of 1 MiB took 156 us on the loop and 216-226 us through the helper,
 #: and the two meet at 2 MiB (265-340 against 297-306 us; docs/benchmarks.md).
 HELPER_BYTES = 2 << 20
-#: Every batch is issued in calls of at most HELPER_RUNS runs: a 65536-run batch of 16-byte runs in
+#: Every batch over other lanes than TCP's is issued in calls of at most HELPER_RUNS runs: a
+#: 65536-run batch of 16-byte runs in
 #: one call held the loop 15-18 ms (tests/test_loop_hold.py, ucx-sm). One that the helper progresses
 #: is issued with a window of HELPER_WINDOW bytes, in such calls
 #: (about 0.1 ms of the loop each), and the loop is told only once half the window is free: each
