@@ -22,7 +22,9 @@ coroutines the task was suspended in. A transfer runs tens of thousands of callb
 2-core VM the host now and then stalls the loop thread for a millisecond or more inside one of them
 (thread CPU time includes it). Such a stall lands on a kind at random; a kvflow callback that holds the
 loop too long does so in every run. So a case repeats its transfer (up to ``TRIES`` times) and
-fails when some kind's longest callback is over the limit in every run that kind appeared in.
+fails when some kind's longest callback is over the limit in every run that kind appeared in, if it
+appeared in every run or in two at least (a kind that only some timings take, seen once in ten runs,
+met one stall or is no kind that holds the loop each time it runs).
 """
 
 from __future__ import annotations
@@ -88,11 +90,14 @@ class LoopWatch:
 
 
 def over_limit(runs: list[dict[str, float]]) -> dict[str, list[float]]:
-    """The kinds whose longest callback is over ``LIMIT_S`` in every run they appeared in: each with its
-    longest per run, in ms."""
+    """The kinds whose longest callback is over ``LIMIT_S`` in every run they appeared in, and that
+    appeared in every run or in two at least: each with its longest per run, in ms. A kind seen once in
+    several runs (a wait that only some timings take) and over the limit that once is no verdict: one
+    stall of the host's lands on it as on any other kind."""
     kinds = {kind for run in runs for kind in run}
     per_kind = {kind: [run[kind] for run in runs if kind in run] for kind in kinds}
-    return {kind: [round(c * 1e3, 2) for c in cpu] for kind, cpu in per_kind.items() if min(cpu) > LIMIT_S}
+    return {kind: [round(c * 1e3, 2) for c in cpu] for kind, cpu in per_kind.items()
+            if min(cpu) > LIMIT_S and (len(cpu) >= 2 or len(cpu) == len(runs))}
 
 
 def kind_of(callback: Any) -> str:
@@ -256,3 +261,29 @@ async def test_the_watch_flags_a_kind_of_callback_over_the_limit_in_every_run(wa
     assert list(over) == ["_spin"], over
     assert all(cpu >= 1.5 for cpu in over["_spin"])
     assert all("_short" in run for run in runs)
+
+
+def _rare() -> None:
+    _spin(1.5e-3)
+
+
+@pytest.mark.asyncio
+async def test_the_watch_flags_a_kind_over_the_limit_each_time_it_runs_but_not_one_stall(watch: LoopWatch) -> None:
+    """A kind that runs in two of four runs and spins 1.5 ms each time is flagged; one that runs once
+    in four and spins then (one stall's worth) is not, though it was while that run was the only one."""
+    loop = asyncio.get_running_loop()
+    runs = []
+    for i in range(4):
+        with watch:
+            loop.call_soon(_short)
+            if i in (1, 3):
+                loop.call_soon(_spin, 1.5e-3)
+            if i == 0:
+                loop.call_soon(_rare)
+            await asyncio.sleep(0.01)
+        runs.append(watch.kinds)
+        if i == 0:
+            assert list(over_limit(runs)) == ["_rare"]  # one run so far: try again, as the cases do
+    over = over_limit(runs)
+    assert list(over) == ["_spin"], over
+    assert len(over["_spin"]) == 2
