@@ -1,6 +1,7 @@
 """What each of the bench's 1 ms tickers reports for a loop that kvflow does not touch.
 
     python scripts/ticker_floor.py [rounds]
+    MEANS=0,9000,40000,100000 python scripts/ticker_floor.py 2   # no-op wake-ups at these means (µs)
 
 For 3 s per case, on uvloop, a thread wakes this process's loop with ``call_soon_threadsafe``
 at random intervals (0.5 to 1.5 times the mean of each case), with a callback that does nothing or holds the
@@ -12,6 +13,7 @@ tickers for no-op wake-ups is the timer rounding of the loop, not work on it.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 import threading
@@ -22,6 +24,8 @@ import uvloop
 from kvflow._ticker import FdTicker, Ticker
 
 CASES = ((0, 0.0), (700, 0.0), (2000, 0.0), (2000, 0.3))  # (mean µs between wake-ups, ms held by each)
+if os.environ.get("MEANS"):  # no-op wake-ups only, at the given means
+    CASES = tuple((int(m), 0.0) for m in os.environ["MEANS"].split(","))
 
 
 async def case(kind: str, mean_us: int, hold_ms: float) -> str:
