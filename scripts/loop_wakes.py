@@ -6,19 +6,23 @@
 Same setup as scripts/lateness.py, but no ticker: ``perf record`` traces the ``epoll_wait`` /
 ``epoll_pwait`` syscalls of both loop threads (this process's and the serving child's main thread)
 during the transfer, and a call that returned more than 50 µs after it was entered counts as one
-wake-up of a sleeping loop. On uvloop every such wake-up between two ticks can make a 1 ms
-``asyncio.sleep`` ticker fire up to 1 ms late (docs/decisions.md, "Two tickers"), so this is the count
-that the sleeping ticker's p99 follows. Needs ``perf`` and tracepoint access (perf_event_paranoid).
+wake-up of a sleeping loop (a timer's too; a call preempted for that long would count as well).
+On uvloop every such wake-up between two ticks can make a 1 ms ``asyncio.sleep`` ticker fire up to
+1 ms late (docs/decisions.md, "Two tickers"): the sleeping ticker's p99 largely follows this count.
+Needs ``perf`` and tracepoint access (perf_event_paranoid).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from _bench_pair import row_pair
@@ -50,11 +54,13 @@ def wakeups(path: str, t0: float, t1: float) -> list[float]:
 
 
 def start_perf(path: str, tid: int) -> subprocess.Popen[bytes]:
+    """``perf record`` of ``tid``'s epoll calls into ``path``."""
     return subprocess.Popen(["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-o", path, "-e", EVENTS, "-t", str(tid)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def stop_perf(perfs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the recordings (SIGINT: perf writes its file out)."""
     for p in perfs:
         p.send_signal(signal.SIGINT)
     for p in perfs:
@@ -62,20 +68,25 @@ def stop_perf(perfs: list[subprocess.Popen[bytes]]) -> None:
 
 
 async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, str]) -> None:
+    if shutil.which("perf") is None:
+        sys.exit("loop_wakes.py needs perf (linux-perf)")
     async with row_pair(transport, block, op, opts) as (_, peer, move):
-        for k in range(tries):
-            paths = [f"/tmp/kvflow-wakes-{os.getpid()}-{k}-{side}.data" for side in ("this", "peer")]
-            perfs = [start_perf(path, pid) for path, pid in zip(paths, (os.getpid(), peer.pid))]
-            try:
-                await asyncio.sleep(0.5)  # perf attached
-                t0 = time.monotonic()
-                await move()
-                t1 = time.monotonic()
-            finally:
-                stop_perf(perfs)
-            mine, theirs = (wakeups(path, t0, t1) for path in paths)
-            for path in paths:
-                os.unlink(path)
+        for _ in range(tries):
+            with tempfile.TemporaryDirectory() as tmp:
+                paths = [os.path.join(tmp, f"{side}.data") for side in ("this", "peer")]
+                perfs: list[subprocess.Popen[bytes]] = []
+                try:
+                    perfs = [start_perf(path, pid) for path, pid in zip(paths, (os.getpid(), peer.pid))]
+                    await asyncio.sleep(0.5)  # perf attached
+                    if any(p.poll() is not None for p in perfs):
+                        sys.exit("perf record exited early (tracepoints need perf_event_paranoid <= 1 or root)")
+                    t0 = time.monotonic()
+                    await move()
+                    t1 = time.monotonic()
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        stop_perf(perfs)
+                mine, theirs = (wakeups(path, t0, t1) for path in paths)
             print(f"{transport} {op} {block}: {(t1 - t0) * 1e3:.0f} ms, wake-ups this side {len(mine)}, "
                   f"peer {len(theirs)}", flush=True)
             if os.environ.get("TIMES"):
