@@ -53,20 +53,6 @@ def wakeups(path: str, t0: float, t1: float) -> list[float]:
     return times
 
 
-def start_perf(path: str, tid: int) -> subprocess.Popen[bytes]:
-    """``perf record`` of ``tid``'s epoll calls into ``path``."""
-    return subprocess.Popen(["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-o", path, "-e", EVENTS, "-t", str(tid)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop_perf(perfs: list[subprocess.Popen[bytes]]) -> None:
-    """Stop the recordings (SIGINT: perf writes its file out)."""
-    for p in perfs:
-        p.send_signal(signal.SIGINT)
-    for p in perfs:
-        p.wait(10)
-
-
 async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, str]) -> None:
     if shutil.which("perf") is None:
         sys.exit("loop_wakes.py needs perf (linux-perf)")
@@ -74,18 +60,24 @@ async def main(transport: str, block: str, op: str, tries: int, opts: dict[str, 
         for _ in range(tries):
             with tempfile.TemporaryDirectory() as tmp:
                 paths = [os.path.join(tmp, f"{side}.data") for side in ("this", "peer")]
-                perfs: list[subprocess.Popen[bytes]] = []
+                perfs = []
                 try:
-                    perfs = [start_perf(path, pid) for path, pid in zip(paths, (os.getpid(), peer.pid))]
-                    await asyncio.sleep(0.5)  # perf attached
-                    if any(p.poll() is not None for p in perfs):
+                    for path, tid in zip(paths, (os.getpid(), peer.pid)):
+                        perfs.append(await asyncio.create_subprocess_exec(
+                            "perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-o", path, "-e", EVENTS, "-t", str(tid),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    await asyncio.sleep(0.5)  # perf's start, as in scripts/late_trace.py
+                    if any(p.returncode is not None for p in perfs):
                         sys.exit("perf record exited early (tracepoints need perf_event_paranoid <= 1 or root)")
                     t0 = time.monotonic()
                     await move()
                     t1 = time.monotonic()
                 finally:
-                    with contextlib.suppress(ProcessLookupError):
-                        stop_perf(perfs)
+                    for p in perfs:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.send_signal(signal.SIGINT)  # perf writes its file out
+                    for p in perfs:
+                        await asyncio.wait_for(p.wait(), 60)
                 mine, theirs = (wakeups(path, t0, t1) for path in paths)
             print(f"{transport} {op} {block}: {(t1 - t0) * 1e3:.0f} ms, wake-ups this side {len(mine)}, "
                   f"peer {len(theirs)}", flush=True)

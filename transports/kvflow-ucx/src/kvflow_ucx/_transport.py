@@ -88,10 +88,9 @@ WATCHDOG_S = 0.05
 #: and the two meet at 2 MiB (265-340 against 297-306 us; docs/benchmarks.md).
 HELPER_BYTES = 2 << 20
 #: Every batch over other lanes than TCP's is issued in calls of at most HELPER_RUNS runs: a
-#: 65536-run batch of 16-byte runs in
-#: one call held the loop 15-18 ms (tests/test_loop_hold.py, ucx-sm). One that the helper progresses
-#: is issued with a window of HELPER_WINDOW bytes, in such calls
-#: (about 0.1 ms of the loop each), and the loop is told only once half the window is free: each
+#: 65536-run batch of 16-byte runs in one call held the loop 15-18 ms (tests/test_loop_hold.py,
+#: ucx-sm). One that the helper progresses is issued with a window of HELPER_WINDOW bytes, in such
+#: calls (about 0.1 ms of the loop each), and the loop is told only once half the window is free: each
 #: time it has to wake to issue more, a host's ``asyncio.sleep`` due after it can fire up to 1 ms
 #: late under uvloop's whole-millisecond timers, and 16 MiB chunks in a 64 MiB window woke it every
 #: 3 ms of a 1 GiB pull (docs/benchmarks.md). A cancelled batch with more in flight than
