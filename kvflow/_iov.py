@@ -72,12 +72,15 @@ SEARCH_RUN_BYTES = 256
 class IovCursor:
     """A position in a table of runs (address, length); each syscall takes up to IOV_MAX of them
     and about ``chunk_bytes``, straight from the table. Same interface as the channel's list cursor.
-    ``keep`` holds the objects whose memory some of the addresses point into (a frame's header)."""
+    ``keep`` holds the objects whose memory some of the addresses point into (a frame's header).
+    ``few_searches``: a C loop moves through it, so ``advance`` runs a few times at most and the run
+    ends stay in numpy (a list of 65,536 ends took milliseconds of the loop thread to make)."""
 
     __slots__ = ("_addrs", "_base", "_ends", "_hdr", "_iov", "_keep", "_lens", "_slots", "chunk_bytes", "i", "n",
                  "pos")
 
-    def __init__(self, addrs: np.ndarray, lens: np.ndarray, chunk_bytes: int, keep: object = None) -> None:
+    def __init__(self, addrs: np.ndarray, lens: np.ndarray, chunk_bytes: int, keep: object = None,
+                 few_searches: bool = False) -> None:
         n = int(lens.size)
         self._iov = np.empty(2 * n, dtype=np.uint64)  # struct iovec {void *base; size_t len;}[n]
         self._iov[0::2] = addrs
@@ -89,7 +92,8 @@ class IovCursor:
         # read only where a run is cut, once per syscall at most
         self._addrs, self._lens = addrs, lens
         ends = np.cumsum(lens, dtype=np.uint64)
-        self._ends: list[int] | np.ndarray = ends if n and int(ends[-1]) <= n * SEARCH_RUN_BYTES else ends.tolist()
+        few = few_searches or (n and int(ends[-1]) <= n * SEARCH_RUN_BYTES)
+        self._ends: list[int] | np.ndarray = ends if few else ends.tolist()
         self._hdr = _MsgHdr()
         self.chunk_bytes = chunk_bytes
         self.n = n
@@ -164,6 +168,16 @@ class IovCursor:
 
     def as_iov(self) -> IovCursor:
         return self
+
+    def rest(self) -> tuple[np.ndarray, np.ndarray]:
+        """The runs not yet consumed, as (addresses, lengths); the first may start part way in."""
+        i = self.i
+        addrs, lens = self._addrs[i:].copy(), self._lens[i:].copy()
+        off = self.pos - self._end(i - 1)
+        if off and lens.size:
+            addrs[0] += np.uint64(off)
+            lens[0] -= np.uint64(off)
+        return addrs, lens
 
     def advance(self, n: int) -> None:
         pos = self.pos = self.pos + n

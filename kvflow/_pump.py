@@ -20,6 +20,10 @@ no C part) the same loop runs in Python. Why: docs/decisions.md, "tcp payloads: 
 Every syscall runs under the job's lock: ``Job.stop()`` takes it, so once ``stop()`` returns the
 thread touches neither that memory nor the socket again, and the job's cursor and ``left`` say
 exactly how far it got. That is what cancellation, unregistration and teardown rely on.
+
+A job in the C loop may span several frames (docs/decisions.md, "tcp: one worker job across
+frames"): a receive reads the headers of the frames it expects into slots and checks each before
+reading on (``Job.marks``), and the loop thread may end a send early at a frame's end (``Job.cut``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
+
+import numpy as np
 
 from ._iov import IovCursor
 
@@ -55,7 +61,10 @@ def _load() -> Any:
     lib.kvf_job_release.argtypes = [ptr]
     lib.kvf_job_stop.argtypes = [ptr]
     lib.kvf_job_stop.restype = i64
-    lib.kvf_move.argtypes = [cint, ptr, i64, i64, i64, cint, ptr, cint, cint, ptr, ptr, ptr]
+    lib.kvf_job_cut.argtypes = [ptr, i64]
+    lib.kvf_job_moved.argtypes = [ptr, ptr]
+    lib.kvf_job_moved.restype = i64
+    lib.kvf_move.argtypes = [cint, ptr, i64, i64, i64, cint, ptr, cint, cint, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr]
     lib.kvf_move.restype = i64
     return lib
 
@@ -65,7 +74,8 @@ _C = _load()
 NATIVE = _C is not None
 #: Memory for one kvf_job (its type made once: a ctypes array type made per call is cyclic garbage)
 _JobMemory: Any = ctypes.c_char * (_C.kvf_job_size() if _C is not None else 1)
-_DONE, _STOPPED, _QUIET, _CLOSED, _ERROR = range(5)  # kvf_move's statuses
+_DONE, _STOPPED, _QUIET, _CLOSED, _ERROR, _MISMATCH = range(6)  # kvf_move's statuses
+_NO_MARKS = np.zeros(0, np.int64)
 
 
 class Cursor(Protocol):
@@ -84,15 +94,27 @@ class Cursor(Protocol):
 
 
 class Job:
-    """One payload on a worker thread: its cursor, the bytes left, and the stop switch."""
+    """One payload on a worker thread: its cursor, the bytes left, and the stop switch.
 
-    __slots__ = ("_applied", "_c", "_iov", "cursor", "left", "lock", "stopped")
+    A receive in the C loop may carry ``marks``: the byte counts at which frame headers end, each
+    read into ``slots[k]`` (an address) and compared with ``expect[k]`` before any byte after it
+    is read. ``passed`` counts the headers found equal; the first that differs ends the job
+    (``mismatch``). That is how one job reads several frames of a stream without the loop thread."""
 
-    def __init__(self, cursor: Cursor, left: int) -> None:
+    __slots__ = ("_applied", "_c", "_iov", "cursor", "expect", "left", "lock", "marks", "mismatch", "passed",
+                 "slots", "stopped")
+
+    def __init__(self, cursor: Cursor, left: int, marks: np.ndarray = _NO_MARKS, slots: np.ndarray = _NO_MARKS,
+                 expect: bytes = b"") -> None:
         self.cursor = cursor
         self.left = left
         self.lock = threading.Lock()
         self.stopped = False
+        self.marks = marks  # int64 byte counts from the job's first byte
+        self.slots = slots  # uint64 addresses, one per mark
+        self.expect = expect  # the headers expected, end to end
+        self.passed = 0
+        self.mismatch = False
         self._c: Any = None  # the C loop's job (kvf_job), once the job goes to it
         self._iov: IovCursor | None = None  # the table the C loop moves through
         self._applied = 0  # of the C loop's bytes, those already counted in cursor and left
@@ -100,13 +122,37 @@ class Job:
     def stop(self) -> None:
         """Stop the thread at its next syscall boundary; waits out a syscall in progress."""
         if self._c is not None:
-            moved = _C.kvf_job_stop(self._c)  # through ctypes: the GIL is released while it waits
+            _C.kvf_job_stop(self._c)  # through ctypes: the GIL is released while it waits
             with self.lock:
                 self.stopped = True
-                self._apply(moved)
+            self.sync()
             return
         with self.lock:
             self.stopped = True
+
+    def sync(self) -> None:
+        """Count the C loop's bytes so far in ``cursor``, ``left`` and ``passed``. Only once the C loop
+        is done or stopped: advancing the cursor rewrites the iovec the worker may be moving through."""
+        if self._c is not None:
+            passed = ctypes.c_int64(0)
+            moved = _C.kvf_job_moved(self._c, ctypes.byref(passed))
+            with self.lock:
+                self._apply(moved)
+                self.passed = passed.value
+
+    def moved(self) -> int:
+        """Bytes the C loop has moved so far, counted nowhere else (the loop thread may read it while
+        the worker goes on: it writes nothing the worker uses, unlike ``sync``); ``total - left``
+        for a job that is not native or has ended."""
+        if self._c is None:
+            return -1
+        passed = ctypes.c_int64(0)
+        return int(_C.kvf_job_moved(self._c, ctypes.byref(passed)))
+
+    def cut(self, at: int) -> None:
+        """End the job once ``at`` bytes of it are moved (or now, if more are); the C loop only."""
+        if self._c is not None:
+            _C.kvf_job_cut(self._c, at)
 
     @property
     def native(self) -> bool:
@@ -193,11 +239,13 @@ def _move_c(sock: socket.socket, job: Job, event: int, waiting: ctypes.c_long) -
     assert table is not None
     address, count = table.table()
     status, err = ctypes.c_int(0), ctypes.c_int(0)
-    moved = _C.kvf_move(sock.fileno(), address, count, limit, table.chunk_bytes, event == select.POLLOUT, job._c,
-                        max(1, round(WAIT_S * 1000)), max(1, round(HOLD_S * 1000)), ctypes.byref(waiting),
-                        ctypes.byref(status), ctypes.byref(err))
-    with job.lock:
-        job._apply(moved)
+    marks, slots = job.marks, job.slots
+    _C.kvf_move(sock.fileno(), address, count, limit, table.chunk_bytes, event == select.POLLOUT, job._c,
+                max(1, round(WAIT_S * 1000)), max(1, round(HOLD_S * 1000)), ctypes.byref(waiting), marks.ctypes.data,
+                marks.size, slots.ctypes.data, job.expect, len(job.expect) // marks.size if marks.size else 0,
+                ctypes.byref(status), ctypes.byref(err))
+    job.sync()
+    job.mismatch = status.value == _MISMATCH
     if status.value == _CLOSED:
         raise ConnectionResetError("peer closed the data connection")
     if status.value == _ERROR:

@@ -27,13 +27,15 @@
 
 #define KVF_IOV_MAX 1024
 
-enum { KVF_DONE = 0, KVF_STOPPED = 1, KVF_QUIET = 2, KVF_CLOSED = 3, KVF_ERROR = 4 };
+enum { KVF_DONE = 0, KVF_STOPPED = 1, KVF_QUIET = 2, KVF_CLOSED = 3, KVF_ERROR = 4, KVF_MISMATCH = 5 };
 
 typedef struct {
     pthread_mutex_t lock; /* recursive: the loop thread may stop a job it holds */
     int stopped;
     int want;      /* the loop thread waits to use the socket: the worker lets it in first */
     int64_t moved; /* bytes moved under this job, all calls together */
+    int64_t cut;   /* the loop thread's bound on moved: the job ends there (kvf_job_cut) */
+    int64_t passed; /* marks passed: frame headers read and found equal to the ones expected */
 } kvf_job;
 
 size_t kvf_job_size(void) { return sizeof(kvf_job); }
@@ -41,6 +43,7 @@ size_t kvf_job_size(void) { return sizeof(kvf_job); }
 /* Initialise a job in caller-owned memory of kvf_job_size() bytes (a default mutex needs no destroy). */
 void kvf_job_init(kvf_job *job) {
     memset(job, 0, sizeof *job);
+    job->cut = INT64_MAX;
     pthread_mutexattr_t attr;
     pthread_mutexattr_init(&attr);
     pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
@@ -71,25 +74,51 @@ int64_t kvf_job_stop(kvf_job *job) {
     return moved;
 }
 
+/* The job ends once `at` bytes are moved (at least those already moved), as if its limit were `at`. */
+void kvf_job_cut(kvf_job *job, int64_t at) {
+    pthread_mutex_lock(&job->lock);
+    job->cut = at > job->moved ? at : job->moved;
+    pthread_mutex_unlock(&job->lock);
+}
+
+/* Bytes moved so far, and (in *passed) the marks passed; consistent with each other. */
+int64_t kvf_job_moved(kvf_job *job, int64_t *passed) {
+    pthread_mutex_lock(&job->lock);
+    int64_t moved = job->moved;
+    *passed = job->passed;
+    pthread_mutex_unlock(&job->lock);
+    return moved;
+}
+
 /* Move up to `limit` bytes between socket `fd` and the `n` entries of `iov` (sending: from them).
  * Returns the job's bytes moved so far; *status says why it returned: all moved, stopped, the
  * socket quiet for `hold_ms` (or for `wait_ms` while *waiting > 0: another payload waits for a
- * thread), the peer closed (receiving), or an error (*err = errno). */
+ * thread), the peer closed (receiving), an error (*err = errno), or a header that differs.
+ *
+ * Receiving, `nmarks` marks chain frames: mark k is the byte count (of this call) at which a frame
+ * header of `mark_bytes` ends, read into memory at slots[k]. No read goes past a mark before the
+ * header is there and equal to expect[k * mark_bytes ...]; a header that differs ends the call
+ * (KVF_MISMATCH) right after it, so the loop thread acts on it as on any frame. job->passed counts
+ * the equal ones. Waiting for a header not yet begun, `wait_ms` of quiet ends the call (KVF_QUIET). */
 static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
-                 int wait_ms, int hold_ms, const volatile long *waiting, int *status, int *err) {
+                 int wait_ms, int hold_ms, const volatile long *waiting, const int64_t *marks, int64_t nmarks,
+                 const uint64_t *slots, const unsigned char *expect, int64_t mark_bytes, int *status, int *err) {
     int64_t i = 0, here = 0;
     int quiet = 0, lowat = 1; /* receiving: SO_RCVLOWAT set on the socket while this call polls */
     struct pollfd p = { fd, sending ? POLLOUT : POLLIN, 0 };
     for (;;) {
         while (__atomic_load_n(&job->want, __ATOMIC_SEQ_CST)) sched_yield(); /* the loop's turn */
         pthread_mutex_lock(&job->lock);
-        if (job->stopped || here >= limit || i >= n) {
+        int64_t cut = job->cut - (job->moved - here); /* the cut in this call's bytes */
+        int64_t end = limit < cut ? limit : cut;
+        if (job->stopped || here >= end || i >= n) {
             *status = job->stopped ? KVF_STOPPED : KVF_DONE;
             int64_t moved = job->moved;
             pthread_mutex_unlock(&job->lock);
             return moved;
         }
-        size_t want = (size_t)(limit - here < chunk ? limit - here : chunk), sum = 0;
+        if (job->passed < nmarks && marks[job->passed] < end) end = marks[job->passed]; /* up to the next header */
+        size_t want = (size_t)(end - here < chunk ? end - here : chunk), sum = 0;
         int64_t j = i;
         while (j < n && j - i < KVF_IOV_MAX && sum < want) sum += iov[j++].iov_len;
         if (sum == 0) { /* empty entries only: nothing to move in them */
@@ -121,6 +150,16 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
                 iov[i].iov_len -= left;
             }
             quiet = 0;
+            if (job->passed < nmarks && here == marks[job->passed]) { /* a header is in: ours, or the loop's */
+                const void *slot = (const void *)(uintptr_t)slots[job->passed];
+                if (memcmp(slot, expect + job->passed * mark_bytes, (size_t)mark_bytes) != 0) {
+                    *status = KVF_MISMATCH;
+                    int64_t moved = job->moved;
+                    pthread_mutex_unlock(&job->lock);
+                    return moved;
+                }
+                job->passed++;
+            }
             pthread_mutex_unlock(&job->lock);
             continue;
         }
@@ -142,7 +181,10 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
         }
         if (poll(&p, 1, wait_ms) != 0) continue; /* ready, or EINTR: try again */
         quiet += wait_ms;
-        if (*waiting > 0 || quiet >= hold_ms) {
+        /* between chained frames (the next header not begun), a short quiet ends the job: the reads
+         * it completed are then reported now, not once the peer sends again */
+        int between = job->passed < nmarks && here == marks[job->passed] - mark_bytes;
+        if (*waiting > 0 || quiet >= hold_ms || between) {
             *status = KVF_QUIET;
             return moved;
         }
@@ -150,8 +192,10 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
 }
 
 int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
-                 int wait_ms, int hold_ms, const volatile long *waiting, int *status, int *err) {
-    int64_t moved = move(fd, iov, n, limit, chunk, sending, job, wait_ms, hold_ms, waiting, status, err);
+                 int wait_ms, int hold_ms, const volatile long *waiting, const int64_t *marks, int64_t nmarks,
+                 const uint64_t *slots, const unsigned char *expect, int64_t mark_bytes, int *status, int *err) {
+    int64_t moved = move(fd, iov, n, limit, chunk, sending, job, wait_ms, hold_ms, waiting, marks, nmarks, slots,
+                         expect, mark_bytes, status, err);
     if (!sending) { /* the loop's reader gets the socket back as it was */
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);

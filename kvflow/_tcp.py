@@ -22,7 +22,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from concurrent.futures import Future
 from functools import partial
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
@@ -74,12 +74,20 @@ SUBMIT_RUNS = FRAME_RUNS  # runs framed in one step of the loop
 # The sender queues further frames locally (backpressure); a peer that exceeds the bound
 # breaks the protocol and loses the link. This bounds the memory a peer can make us hold.
 MAX_OUTSTANDING_FRAMES = 256
+#: A receive job goes on through the responses to our next reads, up to about this many bytes, and
+#: a send job through the responses queued behind the one it starts with, up to JOIN_BYTES: each
+#: frame a job ends with wakes the loop, and each wake can make a sleeping timer of the caller's
+#: late by up to 1 ms (docs/decisions.md, "tcp: one worker job across frames").
+CHAIN_BYTES = 512 << 20
+JOIN_BYTES = 1 << 30
+JOIN_MIN_BYTES = 1 << 20
 MAX_OUTSTANDING_RUNS = 1 << 16
 _SCRATCH = memoryview(bytearray(1 << 20))  # where discarded payload goes (shared: nobody reads it)
 _HDR_SIZE = HDR.size
 #: A header and one run: what the reader asks the socket for when the next frame can only be a
 #: request of the peer's (nothing of ours is pending), so a one-run request takes one ``recv``.
 _HDR_RUN = _HDR_SIZE + RUN.itemsize
+_HDR_LEN = np.array([_HDR_SIZE], np.uint64)
 _ST_HDR, _ST_RUNS, _ST_PAYLOAD, _ST_DISCARD = range(4)
 _OP_BACKLOG, _OP_OUT, _OP_DONE = range(3)
 
@@ -307,6 +315,15 @@ class _Op:
         self.state = _OP_BACKLOG  # -> _OP_OUT (admitted, counted) -> _OP_DONE (retired or dropped)
 
 
+def _joinable(out: _Out) -> bool:
+    """Whether ``out`` is a large response to a peer's read (from a run table, or at least
+    JOIN_MIN_BYTES): a send job may take several end to end. Anything else queued behind such a
+    job cuts it short (``_cut_tx``), so that it waits for one frame at most, as without joining."""
+    if out.rsp_req is None or out.pinned is None:
+        return False
+    return out.runs is not None or sum(map(len, out.bufs)) >= JOIN_MIN_BYTES
+
+
 def _beside(job: pump.Job | None, step: Callable[[], None]) -> None:
     """Run ``step``, the loop thread's own reads or sends on a socket that ``job``'s worker thread
     also uses, with the job's C loop paused meanwhile (``kvflow._pump.Job.hold``)."""
@@ -333,6 +350,17 @@ class TcpChannel(CacheUser):
         self._thread_bytes = thread_bytes
         self._rx_job: pump.Job | None = None  # the payload a worker thread is reading, if any
         self._tx_job: pump.Job | None = None  # the head frame's payload a worker thread is sending
+        # A send job that goes on through the responses queued behind the head (_join_tx): those
+        # frames, where each ends in the job's bytes, how many are retired, whether it was cut short.
+        self._tx_outs: list[_Out] = []
+        self._tx_ends: list[int] = []
+        self._tx_done = 0
+        self._tx_cut = False
+        # A receive job that goes on through the responses to our next reads (_chain_rx): those
+        # reads, the job's bytes in all, and the slots their headers land in.
+        self._rx_chain: list[_Op] = []
+        self._rx_bytes = 0
+        self._rx_slots = np.zeros((0, _HDR_SIZE), np.uint8)
         self._busy_poll = busy_poll  # seconds of polling when a small frame is due (see _expect_soon)
         self._poll_until = 0.0
         self._last_request = 0.0  # when the peer's last small request arrived (_next_request_soon)
@@ -606,7 +634,7 @@ class TcpChannel(CacheUser):
     def abandon(self, ops: list[_Op]) -> None:
         """The caller gave up: unsent frames are dropped, late payload is discarded (none lands in
         the caller's memory once this returns)."""
-        if self._rx_job is not None and self._payload_op in ops:
+        if self._rx_job is not None and not set(ops).isdisjoint([self._payload_op, *self._rx_chain]):
             self._stop_rx()  # the reader then discards the rest
         for op in ops:
             op.abandoned = True
@@ -647,8 +675,10 @@ class TcpChannel(CacheUser):
         self._flush()
 
     def _flush(self) -> None:
-        if self._tx_job is not None:
-            return  # a worker thread is sending the head frame; the rest waits (stream order)
+        if self._tx_job is not None:  # a worker thread is sending the head frame; the rest waits (stream order)
+            if self._tx_outs and not self._tx_cut and self._sendq and not _joinable(self._sendq[-1]):
+                self._cut_tx()  # but not behind every response the job took: only the one it is in
+            return
         _beside(self._rx_job if self._sendq else None, self._send_queue)
 
     def _send_queue(self) -> None:
@@ -727,9 +757,96 @@ class TcpChannel(CacheUser):
         if self._writer_on:
             self._loop.remove_writer(self._fd)
             self._writer_on = False
-        job = self._tx_job = pump.Job(cur, cur.left)
-        fut = self._workers().send(self._sock, job)
+        pool = self._workers()
+        job = self._join_tx(out, cur) if pool.native and out.rsp_req is not None and out.pinned is not None else None
+        job = self._tx_job = job or pump.Job(cur, cur.left)
+        fut = pool.send(self._sock, job)
         fut.add_done_callback(partial(self._back, self._tx_back, job))
+
+    def _join_tx(self, out: _Out, cur: _Cursor | IovCursor) -> pump.Job | None:
+        """One job for the head response ``out`` and the large responses queued behind it, none of
+        them begun (``_joinable``): a worker sends them end to end without a loop turn between
+        frames. None when nothing waits behind the head."""
+        outs, heads, addrs, lens, ends = [out], [], [], [], []
+        at = cur.left
+        for nxt in islice(self._sendq, 1, None):
+            if at >= JOIN_BYTES or nxt.idx != -1 or nxt.cursor is not None or not _joinable(nxt):
+                break
+            bufs = [b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8) for b in nxt.bufs]
+            heads += bufs
+            addrs.append(np.array([b.ctypes.data for b in bufs], np.uint64))
+            lens.append(np.array([b.nbytes for b in bufs], np.uint64))
+            ends.append(at)
+            at += int(lens[-1].sum())
+            if nxt.runs is not None:  # a payload sent straight from its run table
+                addrs.append(nxt.runs[0])
+                lens.append(nxt.runs[1])
+                at += int(nxt.runs[1].sum(dtype=np.uint64))
+            outs.append(nxt)
+        if len(outs) == 1:
+            return None
+        ends.append(at)
+        head_addrs, head_lens = cur.as_iov().rest()
+        table = IovCursor(np.concatenate([head_addrs, *addrs]), np.concatenate([head_lens, *lens]), CHUNK_BYTES,
+                          keep=(cur, heads), few_searches=True)
+        for nxt in outs[1:]:
+            nxt.idx = 0  # begun: not to be dropped or replaced unless the job is stopped first (_settle_tx)
+        self._tx_outs, self._tx_ends, self._tx_done, self._tx_cut = outs, ends, 0, False
+        return pump.Job(table, at)
+
+    def _tx_moved(self, job: pump.Job) -> int:
+        """Bytes of the joined send ``job`` gone to the kernel; the frames they complete are retired.
+        The job may still run: its table is left alone (``Job.moved``, not ``sync``)."""
+        moved = job.moved()
+        outs, ends, k = self._tx_outs, self._tx_ends, self._tx_done
+        while k < len(outs) and ends[k] <= moved:
+            self._sent(outs[k])  # the head of the queue: joined frames lead it in order
+            k += 1
+        self._tx_done = k
+        return moved
+
+    def _cut_tx(self) -> None:
+        """A frame that is not a large response waits behind the joined send: end the job with the
+        frame it is in, and put the frame in line there (``_settle_tx``)."""
+        job = self._tx_job
+        assert job is not None
+        job.hold()  # the worker pauses, so that what it has sent and the cut agree
+        try:
+            moved = self._tx_moved(job)
+            k = self._tx_done
+            if k < len(self._tx_outs):
+                start = self._tx_ends[k - 1] if k else 0
+                job.cut(self._tx_ends[k] if moved > start else moved)
+            self._tx_cut = True
+        finally:
+            job.release()
+
+    def _settle_tx(self, job: pump.Job) -> None:
+        """The joined send ``job`` ended (or was stopped): retire what it sent; the frame it was in
+        goes on from its own cursor; those it did not begin are as if never joined, and after a cut
+        they go behind the frames that waited for it."""
+        moved = self._tx_moved(job)
+        outs, ends, k = self._tx_outs, self._tx_ends, self._tx_done
+        self._tx_outs, self._tx_ends = [], []
+        if k == len(outs):
+            return
+        start = ends[k - 1] if k else 0
+        first = k
+        if moved > start or k == 0:
+            out = outs[k]
+            if out.cursor is None:
+                out.cursor = _frame_cursor(out.bufs, out.runs) if out.runs is not None else _Cursor(out.bufs)
+                out.runs = None
+            out.cursor.advance(moved - start)
+            first = k + 1
+        for out in outs[first:]:
+            out.idx = -1
+        if self._tx_cut and first < len(outs):
+            q = self._sendq
+            untouched = [q[i] for i in range(first - k, len(outs) - k)]
+            for _ in untouched:
+                del q[first - k]
+            q.extend(untouched)
 
     def _back(self, resume: Callable[[pump.Job, Future[None]], None], job: pump.Job, fut: Future[None]) -> None:
         """A worker thread finished with ``job``: resume on the loop thread."""
@@ -744,7 +861,15 @@ class TcpChannel(CacheUser):
         if exc is not None:
             self._fail(LLMLinkFailed(f"data connection send failed: {exc}"))
             return
-        if job.cursor.done:
+        if self._tx_outs:
+            self._settle_tx(job)
+            head = self._sendq[0] if self._sendq else None
+            if head is None or head.cursor is None or head.idx == -1 or head.cursor.done:
+                self._flush()
+            elif self._closed is None and not self._writer_on:
+                self._loop.add_writer(self._fd, self._flush)
+                self._writer_on = True
+        elif job.cursor.done:
             self._sent(self._sendq[0])
             self._flush()
         elif self._closed is None and not self._writer_on:  # handed back on a full socket: resume once
@@ -859,9 +984,104 @@ class TcpChannel(CacheUser):
         """Hand the rest of the payload to a worker thread (kvflow._pump); ``_rx_back`` resumes."""
         assert self._workers is not None
         self._loop.remove_reader(self._fd)
-        job = self._rx_job = pump.Job(self._rx, self._left)
-        fut = self._workers().receive(self._sock, job)
+        pool = self._workers()
+        chain = self._chain() if pool.native else []
+        job = self._rx_job = self._chain_rx(chain) if chain else pump.Job(self._rx, self._left)
+        self._rx_chain = chain
+        fut = pool.receive(self._sock, job)
         fut.add_done_callback(partial(self._back, self._rx_back, job))
+
+    def _chain(self) -> list[_Op]:
+        """Our pending reads whose responses, if the peer answers in order as it does, come next
+        after the payload of our read in hand (or next on the stream, between frames): up to
+        CHAIN_BYTES."""
+        op = self._payload_op
+        if self._state == _ST_PAYLOAD and (op is None or op.kind != READ_REQ or op.abandoned):
+            return []
+        chain: list[_Op] = []
+        at = self._left
+        for nxt in self._pending.values():
+            if at >= CHAIN_BYTES or nxt.kind != READ_REQ or nxt.abandoned or not nxt.dests:
+                break
+            chain.append(nxt)
+            at += _HDR_SIZE + nxt.nbytes
+        return chain
+
+    def _chain_next(self) -> None:
+        """A chained receive read all it was given: if more large responses are due, the next job
+        starts at their first header, without waiting for the loop to see it arrive."""
+        if self._closed is not None or self._state != _ST_HDR or self._got or self._workers is None:
+            return
+        pool = self._workers()
+        chain = self._chain() if pool.native else []
+        if not chain or sum(op.nbytes for op in chain) < self._thread_bytes:
+            return
+        self._loop.remove_reader(self._fd)
+        job = self._rx_job = self._chain_rx(chain)
+        self._rx_chain = chain
+        fut = pool.receive(self._sock, job)
+        fut.add_done_callback(partial(self._back, self._rx_back, job))
+
+    def _chain_rx(self, chain: list[_Op]) -> pump.Job:
+        """One receive job for the payload in hand and then, for each read in ``chain``, its
+        response's header (into a slot, checked by the C loop against the one we expect) and
+        payload. The first header that differs ends the job; the loop acts on it (``_settle_rx``)."""
+        slots = self._rx_slots = np.zeros((len(chain), _HDR_SIZE), np.uint8)
+        base = slots.ctypes.data
+        head_addrs, head_lens = self._rx.as_iov().rest()
+        addrs, lens = [head_addrs], [head_lens]
+        marks = np.empty(len(chain), np.int64)
+        expect = []
+        at = self._left
+        keep: list[Any] = [self._rx, slots]
+        for k, op in enumerate(chain):
+            dests = op.dests
+            if not isinstance(dests, tuple):  # byte views (a few runs): their addresses
+                views = [np.frombuffer(d, np.uint8) for d in dests or ()]
+                keep.append(views)
+                dests = (np.array([v.ctypes.data for v in views], np.uint64),
+                         np.array([v.size for v in views], np.uint64))
+            addrs += [np.array([base + k * _HDR_SIZE], np.uint64), dests[0]]
+            lens += [_HDR_LEN, dests[1]]
+            at += _HDR_SIZE
+            marks[k] = at
+            at += op.nbytes
+            expect.append(HDR.pack(READ_RSP, 0, 0, 0, op.req_id, 0, op.nbytes))
+        self._rx_bytes = at
+        table = IovCursor(np.concatenate(addrs), np.concatenate(lens), CHUNK_BYTES, keep=keep, few_searches=True)
+        return pump.Job(table, at, marks, base + np.arange(len(chain), dtype=np.uint64) * np.uint64(_HDR_SIZE),
+                        b"".join(expect))
+
+    def _settle_rx(self, job: pump.Job, chain: list[_Op]) -> None:
+        """The chained receive ``job`` ended or was stopped: the reads it completed are done; the
+        read it was in, or the header it was in or found different, goes on in the reader."""
+        moved = self._rx_bytes - job.left
+        if self._state == _ST_PAYLOAD:  # the job began in the payload of a read
+            if moved < self._left:
+                self._left -= moved
+                self._rx.advance(moved)
+                return
+            moved -= self._left
+            self._left = 0
+            self._payload_done()
+        for k, op in enumerate(chain):
+            if self._closed is not None:
+                return  # a send that what we retired started has failed the link: the teardown has the rest
+            if moved < _HDR_SIZE or k >= job.passed:  # a header partly here, or not the one expected
+                got = min(moved, _HDR_SIZE)
+                self._hdr_mv[:got] = self._rx_slots[k, :got].data
+                self._got = 0 if got == _HDR_SIZE else got
+                if got == _HDR_SIZE:
+                    self._on_header()
+                return
+            moved -= _HDR_SIZE
+            del self._pending[op.req_id]  # as the reader does once it has a response's header
+            if moved < op.nbytes:
+                self._read_rest(op, op.dests, op.nbytes, moved)
+                return
+            moved -= op.nbytes
+            op.xfer.frame_done()
+            self._retire(op)
 
     def _stop_rx(self) -> None:
         """Take the payload back from its worker thread now: once this returns, the thread writes
@@ -887,9 +1107,20 @@ class TcpChannel(CacheUser):
     def _rx_resume(self, job: pump.Job) -> None:
         """The loop reads again from where the stopped or returned ``job`` left the payload."""
         self._rx_job = None
-        self._left = job.left
+        chain, self._rx_chain = self._rx_chain, []
         if self._closed is None:
             self._loop.add_reader(self._fd, self._on_readable)
+        if chain:
+            try:
+                self._settle_rx(job, chain)
+            except LLMException as exc:  # the header that ended the job is a bad one
+                self._fail(exc)
+            except OSError as exc:
+                self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
+            if job.left == 0 and not job.stopped:
+                self._chain_next()
+            return
+        self._left = job.left
         if self._left == 0:
             self._payload_done()
 
@@ -933,6 +1164,8 @@ class TcpChannel(CacheUser):
         if kind in (READ_REQ, WRITE_REQ):
             if not 0 < count <= MAX_RUNS or total > MAX_FRAME_BYTES:
                 self._protocol_error(f"request with {count} runs / {total} bytes")
+            if self._tx_outs and self._tx_job is not None:
+                self._tx_moved(self._tx_job)  # responses a joined send has sent count as answered
             if self._serving_frames and (self._serving_frames >= MAX_OUTSTANDING_FRAMES
                                          or self._serving_runs + count > MAX_OUTSTANDING_RUNS):
                 self._protocol_error(f"more than {MAX_OUTSTANDING_FRAMES} requests / {MAX_OUTSTANDING_RUNS} runs "
@@ -1095,6 +1328,7 @@ class TcpChannel(CacheUser):
             if job is not None:
                 job.stop()
         self._rx_job = self._tx_job = None
+        self._tx_outs, self._tx_ends, self._rx_chain = [], [], []
         try:
             self._loop.remove_reader(self._fd)
             if self._writer_on:
@@ -1146,6 +1380,11 @@ class TcpChannel(CacheUser):
             return
         code = int(exc.status_code)
         cut = False
+        job = self._tx_job
+        if job is not None and any(out.pinned is local for out in self._tx_outs):
+            job.stop()  # a joined send: take back the responses it has not begun
+            self._tx_job = None
+            self._settle_tx(job)
         for out in self._sendq:
             if out.pinned is not local:
                 continue
@@ -1172,6 +1411,8 @@ class TcpChannel(CacheUser):
         if cut:
             self._fail(LLMLinkFailed(f"data connection closed: cache {local.cache_id} was unregistered "
                                      f"while a transfer was still using it ({exc})"))
+        elif job is not None and self._tx_job is None:
+            self._flush()  # the send stopped above goes on, with the errors in place of the replies
 
 
 class TcpEndpoint(Endpoint):
@@ -1180,6 +1421,11 @@ class TcpEndpoint(Endpoint):
     #: The peer moves the bytes of our requests itself (two-sided): a peer unregistering a cache
     #: stops our operations on it on its side, so the core need not abort this endpoint for it.
     one_sided = False
+    #: Runs per batch: the core keeps two batches in flight, and a receive job chains only what is in
+    #: flight, so 8192 runs of 16 KiB (the default) woke the loop every 128 MiB. Not more: the peer
+    #: counts a response as outstanding until its loop sees the send end, which may come after our
+    #: next request (with two batches at the bound, that race would break the link).
+    max_runs = MAX_RUNS  # two batches in flight are half the peer's bound on runs (MAX_OUTSTANDING_RUNS)
 
     def __init__(self, channel: TcpChannel) -> None:
         self._ch = channel
