@@ -113,6 +113,25 @@ async def _requests(peer: socket.socket, count: int) -> list[tuple[int, list[tup
     return out
 
 
+def _reader(pool: pump.Pool) -> tuple[TcpChannel, socket.socket, LocalCache, np.ndarray, list[BaseException],
+                                      list[tuple[int, int, bool]]]:
+    """Our channel, reading into a zeroed cache twice the reads' size, and a raw peer socket: the
+    channel, the peer, the cache and its memory, the broken-link list and the settles seen."""
+    ours, peer = _pair()
+    peer.setblocking(False)
+    reg = Registry()
+    local, dest = _cache(reg, 2 * BLOCKS, None)
+    broken: list[BaseException] = []
+    ch = _channel(ours, reg, pool, broken)
+    return ch, peer, local, dest, broken, _watch_settles(ch)
+
+
+def _answer(src: np.ndarray, req_id: int, runs: list[tuple[int, int]], extra: bytes = b"") -> bytes:
+    """A good answer to a read of ``runs`` (offsets into ``src``), ``extra`` bytes appended to its payload."""
+    payload = b"".join(src[a : a + n].tobytes() for a, n in runs) + extra
+    return HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, len(payload)) + payload
+
+
 async def _send_from_thread(peer: socket.socket, data: bytes) -> None:
     """``sendall`` on a thread of its own, so that the bytes come as fast as we read them (a chained
     job that waits 2 ms for the next header ends, and the loop reads the frame instead)."""
@@ -130,25 +149,14 @@ async def test_a_chained_receive_lands_every_read_exactly_when_the_peer_answers_
     """Six 8 MiB reads; a raw peer answers them in the order 0, 2, 1, 3, 5, 4. A receive job that
     chains the next reads meets a header it did not expect, ends there, and the loop takes that
     frame as any other: every block lands where it belongs and nothing else is written."""
-    ours, peer = _pair()
-    peer.setblocking(False)
-    reg = Registry()
-    local, dest = _cache(reg, 2 * BLOCKS, None)
     src = np.random.default_rng(5).integers(0, 256, BLOCKS * BLOCK, dtype=np.uint8)
     order = np.random.default_rng(6).permutation(BLOCKS)
-    broken: list[BaseException] = []
-    ch = _channel(ours, reg, pool, broken)
-    seen = _watch_settles(ch)
+    ch, peer, local, dest, broken, seen = _reader(pool)
     try:
         async with asyncio.timeout(60):
             xfer, _ops = ch.submit(READ_REQ, _read_batch(local, dest, 9, 0, order, 2))
             requests = await _requests(peer, FRAMES)
-            answers = []
-            for i in (0, 2, 1, 3, 5, 4):
-                req_id, runs = requests[i]
-                payload = b"".join(src[a : a + n].tobytes() for a, n in runs)
-                answers.append(HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, len(payload)) + payload)
-            await _send_from_thread(peer, b"".join(answers))
+            await _send_from_thread(peer, b"".join(_answer(src, *requests[i]) for i in (0, 2, 1, 3, 5, 4)))
             await xfer.fut
         assert _landed(dest, src, order, 2)
         assert not broken and not ch._pending
@@ -165,24 +173,14 @@ async def test_a_chained_header_with_a_wrong_size_breaks_the_link_and_writes_not
     block more than asked, and the bytes to fill it. The chained job stops at that header (it is
     not the one expected), the loop refuses it as a protocol error, the reads fail typed, and not
     one byte of the second read's payload, nor of anything after it, reaches our memory."""
-    ours, peer = _pair()
-    peer.setblocking(False)
-    reg = Registry()
-    local, dest = _cache(reg, 2 * BLOCKS, None)
     src = np.random.default_rng(7).integers(1, 256, BLOCKS * BLOCK, dtype=np.uint8)  # no zero byte
     order = np.arange(BLOCKS)
-    broken: list[BaseException] = []
-    ch = _channel(ours, reg, pool, broken)
-    seen = _watch_settles(ch)
+    ch, peer, local, dest, broken, seen = _reader(pool)
     try:
         async with asyncio.timeout(60):
             xfer, _ops = ch.submit(READ_REQ, _read_batch(local, dest, 9, 0, order, 2))
             requests = await _requests(peer, FRAMES)
-            (id0, runs0), (id1, runs1) = requests[0], requests[1]
-            first = b"".join(src[a : a + n].tobytes() for a, n in runs0)
-            second = b"".join(src[a : a + n].tobytes() for a, n in runs1) + b"\xff" * BLOCK
-            await _send_from_thread(peer, HDR.pack(READ_RSP, 0, 0, 0, id0, 0, len(first)) + first
-                                    + HDR.pack(READ_RSP, 0, 0, 0, id1, 0, len(second)) + second)
+            await _send_from_thread(peer, _answer(src, *requests[0]) + _answer(src, *requests[1], b"\xff" * BLOCK))
             with pytest.raises(LLMLinkFailed, match="protocol error"):
                 await xfer.fut
         frame = FRAME_BLOCKS * 2 * BLOCK  # the first read's blocks, spread over twice their size
