@@ -1379,7 +1379,7 @@ class TcpChannel(CacheUser):
         if self._closed is not None:
             return
         code = int(exc.status_code)
-        cut = False
+        cut = replaced = False
         job = self._tx_job
         if job is not None and any(out.pinned is local for out in self._tx_outs):
             job.stop()  # a joined send: take back the responses it has not begun
@@ -1397,6 +1397,7 @@ class TcpChannel(CacheUser):
                     out.cursor = None  # one made over the old reply by a send that got EAGAIN
                     local.unpin(self)
                     out.pinned = None
+                    replaced = True
             elif out.op is not None and out.op.abandoned and out.idx >= 0:
                 cut = True
         if self._payload_pin is local:
@@ -1413,6 +1414,8 @@ class TcpChannel(CacheUser):
                                      f"while a transfer was still using it ({exc})"))
         elif job is not None and self._tx_job is None:
             self._flush()  # the send stopped above goes on, with the errors in place of the replies
+        elif replaced and self._tx_outs and not self._tx_cut:
+            self._cut_tx()  # an error in place of a reply queued behind a joined send: after one frame
 
 
 class TcpEndpoint(Endpoint):

@@ -234,3 +234,55 @@ async def test_a_joined_send_lets_a_frame_queued_behind_it_go_after_the_frame_it
         a.close()
         b.close()
         pool_b.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_reply_revoked_behind_a_joined_send_fails_its_read_after_one_frame(pool: pump.Pool) -> None:
+    """A's worker sends six 8 MiB replies to B (cache Y) as one job; a 1 MiB read of B's from A's
+    cache X waits behind it. X's unregistration passes its deadline (``revoke``): that reply becomes
+    an error, which cuts the job after the frame it is in, so B's read of X fails typed before B has
+    all of Y (a job left to run would send the error only after the last reply of Y)."""
+    from kvflow import LLMKvCacheNotExist
+
+    sock_a, sock_b = _pair()
+    reg_a, reg_b = Registry(), Registry()
+    cache_y, src = _cache(reg_a, BLOCKS, 21)
+    cache_x, src_x = _cache(reg_a, 256, 22)
+    local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
+    local_bx, dest_bx = _cache(reg_b, 256, None)
+    broken: list[BaseException] = []
+    a = _channel(sock_a, reg_a, pool, broken)
+    pool_b = pump.Pool(ThreadPoolExecutor(2), True)
+    b = _channel(sock_b, reg_b, pool_b, broken)
+    done: list[str] = []
+    order = np.random.default_rng(23).permutation(BLOCKS)
+    try:
+        async with asyncio.timeout(60):
+            big, _ops = b.submit(READ_REQ, _read_batch(local_b, dest_b, cache_y.cache_id, int(src.ctypes.data),
+                                                       order, 2))
+            big.fut.add_done_callback(lambda _f: done.append("y"))
+            for _ in range(20000):
+                if len(a._tx_outs) > 2 and a._tx_done == 0:
+                    break
+                await asyncio.sleep(0.0005)
+            one_mib = _read_batch(local_bx, dest_bx, cache_x.cache_id, int(src_x.ctypes.data), np.arange(256), 1)
+            x_read, _ops = b.submit(READ_REQ, one_mib)
+            x_read.fut.add_done_callback(lambda _f: done.append("x"))
+            for _ in range(20000):  # until A has queued its reply from X
+                if any(out.pinned is cache_x for out in a._sendq):
+                    break
+                await asyncio.sleep(0.0002)
+            assert a._tx_job is not None and a._tx_done < len(a._tx_outs) - 1  # the joined send goes on
+            assert all(out.pinned is not cache_x for out in a._tx_outs)  # and the reply from X is not in it
+            a.revoke(cache_x, LLMKvCacheNotExist("cache X unregistered"))
+            with pytest.raises(LLMKvCacheNotExist):
+                await x_read.fut
+            await big.fut
+        assert done == ["x", "y"]
+        assert not dest_bx.any()  # nothing of X
+        assert _landed(dest_b, src, order, 2)
+        assert not broken
+    finally:
+        a.close()
+        b.close()
+        pool_b.shutdown()
