@@ -95,11 +95,13 @@ int64_t kvf_job_moved(kvf_job *job, int64_t *passed) {
  * socket quiet for `hold_ms` (or for `wait_ms` while *waiting > 0: another payload waits for a
  * thread), the peer closed (receiving), an error (*err = errno), or a header that differs.
  *
- * Receiving, `nmarks` marks chain frames: mark k is the byte count (of this call) at which a frame
+ * `nmarks` marks chain frames. Receiving, mark k is the byte count (of this call) at which a frame
  * header of `mark_bytes` ends, read into memory at slots[k]. No read goes past a mark before the
  * header is there and equal to expect[k * mark_bytes ...]; a header that differs ends the call
  * (KVF_MISMATCH) right after it, so the loop thread acts on it as on any frame. job->passed counts
- * the equal ones. Waiting for a header not yet begun, `wait_ms` of quiet ends the call (KVF_QUIET). */
+ * the equal ones. Waiting for a header not yet begun, `wait_ms` of quiet ends the call (KVF_QUIET).
+ * Sending, mark k is where frame k + 1 starts (`mark_bytes` 0, nothing compared). Either way, no
+ * syscall crosses the start of a frame, and at one the call ends (KVF_QUIET) while *waiting > 0. */
 static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, int sending, kvf_job *job,
                  int wait_ms, int hold_ms, const volatile long *waiting, const int64_t *marks, int64_t nmarks,
                  const uint64_t *slots, const unsigned char *expect, int64_t mark_bytes, int *status, int *err) {
@@ -117,7 +119,11 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
             pthread_mutex_unlock(&job->lock);
             return moved;
         }
-        if (job->passed < nmarks && marks[job->passed] < end) end = marks[job->passed]; /* up to the next header */
+        if (job->passed < nmarks) { /* no call crosses a frame's start or (receiving) its header's end */
+            int64_t start = marks[job->passed] - mark_bytes;
+            int64_t mark = here < start ? start : marks[job->passed];
+            if (mark < end) end = mark;
+        }
         size_t want = (size_t)(end - here < chunk ? end - here : chunk), sum = 0;
         int64_t j = i;
         while (j < n && j - i < KVF_IOV_MAX && sum < want) sum += iov[j++].iov_len;
@@ -150,15 +156,27 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
                 iov[i].iov_len -= left;
             }
             quiet = 0;
+            /* at a frame's start: receiving, its header is still to come; sending, its first byte */
+            int at_start = job->passed < nmarks && here == marks[job->passed] - mark_bytes;
             if (job->passed < nmarks && here == marks[job->passed]) { /* a header is in: ours, or the loop's */
-                const void *slot = (const void *)(uintptr_t)slots[job->passed];
-                if (memcmp(slot, expect + job->passed * mark_bytes, (size_t)mark_bytes) != 0) {
-                    *status = KVF_MISMATCH;
-                    int64_t moved = job->moved;
-                    pthread_mutex_unlock(&job->lock);
-                    return moved;
+                if (mark_bytes > 0) {
+                    const void *slot = (const void *)(uintptr_t)slots[job->passed];
+                    if (memcmp(slot, expect + job->passed * mark_bytes, (size_t)mark_bytes) != 0) {
+                        *status = KVF_MISMATCH;
+                        int64_t moved = job->moved;
+                        pthread_mutex_unlock(&job->lock);
+                        return moved;
+                    }
                 }
                 job->passed++;
+            }
+            /* at a frame's start, with another payload waiting for a thread: give this one back, so
+             * that threads shared by links still take turns frame by frame */
+            if (at_start && *waiting > 0) {
+                *status = KVF_QUIET;
+                int64_t moved = job->moved;
+                pthread_mutex_unlock(&job->lock);
+                return moved;
             }
             pthread_mutex_unlock(&job->lock);
             continue;
@@ -183,7 +201,7 @@ static int64_t move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t
         quiet += wait_ms;
         /* between chained frames (the next header not begun), a short quiet ends the job: the reads
          * it completed are then reported now, not once the peer sends again */
-        int between = job->passed < nmarks && here == marks[job->passed] - mark_bytes;
+        int between = !sending && job->passed < nmarks && here == marks[job->passed] - mark_bytes;
         if (*waiting > 0 || quiet >= hold_ms || between) {
             *status = KVF_QUIET;
             return moved;

@@ -792,7 +792,7 @@ class TcpChannel(CacheUser):
         for nxt in outs[1:]:
             nxt.idx = 0  # begun: not to be dropped or replaced unless the job is stopped first (_settle_tx)
         self._tx_outs, self._tx_ends, self._tx_done, self._tx_cut = outs, ends, 0, False
-        return pump.Job(table, at)
+        return pump.Job(table, at, np.array(ends[:-1], np.int64))  # frame starts: where it yields a thread
 
     def _tx_moved(self, job: pump.Job) -> int:
         """Bytes of the joined send ``job`` gone to the kernel; the frames they complete are retired.

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,8 +24,9 @@ import pytest
 
 from kvflow import LLMLinkFailed
 from kvflow import _pump as pump
+from kvflow._iov import IovCursor
 from kvflow._memory import LocalCache, Registry
-from kvflow._tcp import HDR, READ_REQ, READ_RSP, RUN, TcpChannel
+from kvflow._tcp import CHUNK_BYTES, HDR, READ_REQ, READ_RSP, RUN, TcpChannel
 from kvflow._types import CacheDesc, DataType
 from kvflow.transport import RemoteCache, RunBatch
 
@@ -286,3 +289,56 @@ async def test_a_reply_revoked_behind_a_joined_send_fails_its_read_after_one_fra
         a.close()
         b.close()
         pool_b.shutdown()
+
+
+def test_a_job_across_frames_gives_its_thread_back_at_a_frame_start_when_another_waits() -> None:
+    """A send job over 64 frames of 1 MiB on a pool of one thread, and a second job submitted once
+    the first has begun: the first gives the thread back at the next frame's start, and the second
+    then runs to its end. Threads shared by links still take turns frame by frame, as when each
+    frame was a job of its own (without that, the first job ran all 64 frames first). The first
+    job may also give the thread back mid-frame, if its socket stays full for ``WAIT_S`` meanwhile
+    (the rule for a waiting payload that was there before); either way its bytes are exact."""
+    frame, frames = 1 << 20, 64
+    data = np.random.default_rng(31).integers(0, 256, frame * frames, dtype=np.uint8)
+    got = [bytearray(frame * frames), bytearray(frame * frames)]
+    ends = [0, 0]
+    pairs = [_pair(), _pair()]
+    for a, _b in pairs:
+        a.setblocking(False)
+
+    def drain(k: int) -> None:
+        view, sock = memoryview(got[k]), pairs[k][1]
+        while n := sock.recv_into(view[ends[k] :]):
+            ends[k] += n
+
+    readers = [threading.Thread(target=drain, args=(k,)) for k in range(2)]
+    for t in readers:
+        t.start()
+    base = int(data.ctypes.data)
+    starts = np.arange(frames, dtype=np.uint64) * np.uint64(frame)
+    table = IovCursor(np.uint64(base) + starts, np.full(frames, frame, np.uint64), CHUNK_BYTES, few_searches=True)
+    first = pump.Job(table, frame * frames, starts[1:].astype(np.int64))
+    second = pump.Job(IovCursor(np.array([base], np.uint64), np.array([frame], np.uint64), CHUNK_BYTES), frame)
+    executor = ThreadPoolExecutor(1)
+    pool = pump.Pool(executor, True)
+    try:
+        fut1 = pool.send(pairs[0][0], first)
+        deadline = time.monotonic() + 10
+        while first.moved() <= 0 and time.monotonic() < deadline:
+            time.sleep(0.0001)
+        fut2 = pool.send(pairs[1][0], second)
+        fut1.result(timeout=30)
+        fut2.result(timeout=30)
+        sent = frame * frames - first.left
+        assert 0 < sent < frame * frames, sent
+        assert second.left == 0
+    finally:
+        executor.shutdown(wait=True)
+        for a, _b in pairs:
+            a.close()
+        for t in readers:
+            t.join(timeout=10)
+        for _a, b in pairs:
+            b.close()
+    assert ends == [sent, frame]
+    assert got[0][:sent] == data[:sent].tobytes() and got[1][:frame] == data[:frame].tobytes()
