@@ -980,12 +980,14 @@ class TcpChannel(CacheUser):
         except OSError as exc:
             self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
 
-    def _start_rx(self) -> None:
-        """Hand the rest of the payload to a worker thread (kvflow._pump); ``_rx_back`` resumes."""
+    def _start_rx(self, chain: list[_Op] | None = None) -> None:
+        """Hand the rest of the payload (and the reads ``_chain`` finds, or ``chain``) to a worker
+        thread (kvflow._pump); ``_rx_back`` resumes."""
         assert self._workers is not None
         self._loop.remove_reader(self._fd)
         pool = self._workers()
-        chain = self._chain() if pool.native else []
+        if chain is None:
+            chain = self._chain() if pool.native else []
         job = self._rx_job = self._chain_rx(chain) if chain else pump.Job(self._rx, self._left)
         self._rx_chain = chain
         fut = pool.receive(self._sock, job)
@@ -1012,15 +1014,9 @@ class TcpChannel(CacheUser):
         starts at their first header, without waiting for the loop to see it arrive."""
         if self._closed is not None or self._state != _ST_HDR or self._got or self._workers is None:
             return
-        pool = self._workers()
-        chain = self._chain() if pool.native else []
-        if not chain or sum(op.nbytes for op in chain) < self._thread_bytes:
-            return
-        self._loop.remove_reader(self._fd)
-        job = self._rx_job = self._chain_rx(chain)
-        self._rx_chain = chain
-        fut = pool.receive(self._sock, job)
-        fut.add_done_callback(partial(self._back, self._rx_back, job))
+        chain = self._chain() if self._workers().native else []
+        if chain and sum(op.nbytes for op in chain) >= self._thread_bytes:
+            self._start_rx(chain)
 
     def _chain_rx(self, chain: list[_Op]) -> pump.Job:
         """One receive job for the payload in hand and then, for each read in ``chain``, its

@@ -135,6 +135,31 @@ def _answer(src: np.ndarray, req_id: int, runs: list[tuple[int, int]], extra: by
     return HDR.pack(READ_RSP, 0, 0, 0, req_id, 0, len(payload)) + payload
 
 
+@contextlib.contextmanager
+def _linked(pool: pump.Pool) -> Iterator[tuple[TcpChannel, TcpChannel, Registry, Registry, list[BaseException]]]:
+    """Channels A (on ``pool``) and B (on a pool of its own) over one loopback connection, their
+    registries, and the broken-link list both fill; closed and shut down on the way out."""
+    sock_a, sock_b = _pair()
+    reg_a, reg_b = Registry(), Registry()
+    broken: list[BaseException] = []
+    pool_b = pump.Pool(ThreadPoolExecutor(2), True)
+    a, b = _channel(sock_a, reg_a, pool, broken), _channel(sock_b, reg_b, pool_b, broken)
+    try:
+        yield a, b, reg_a, reg_b, broken
+    finally:
+        a.close()
+        b.close()
+        pool_b.shutdown()
+
+
+async def _until_joined(a: TcpChannel) -> None:
+    """Until A's worker sends several responses as one job, none of them wholly sent yet."""
+    for _ in range(20000):
+        if len(a._tx_outs) > 2 and a._tx_done == 0:
+            return
+        await asyncio.sleep(0.0005)
+
+
 async def _send_from_thread(peer: socket.socket, data: bytes) -> None:
     """``sendall`` on a thread of its own, so that the bytes come as fast as we read them (a chained
     job that waits 2 ms for the next header ends, and the loop reads the frame instead)."""
@@ -202,27 +227,18 @@ async def test_a_joined_send_lets_a_frame_queued_behind_it_go_after_the_frame_it
     makes a 4 KiB read of its own: the job is cut after the frame it is in, so A's request reaches
     B, and its answer comes back, before B has received all it asked for (not after the whole job,
     which is what a job that went on to its end would do)."""
-    sock_a, sock_b = _pair()
-    reg_a, reg_b = Registry(), Registry()
-    cache_a, src = _cache(reg_a, BLOCKS, 11)
-    small_a, small_dest = _cache(reg_a, 1, None)
-    local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
-    small_b, small_src = _cache(reg_b, 1, 12)
-    order = np.random.default_rng(13).permutation(BLOCKS)
-    broken: list[BaseException] = []
-    a = _channel(sock_a, reg_a, pool, broken)
-    pool_b = pump.Pool(ThreadPoolExecutor(2), True)
-    b = _channel(sock_b, reg_b, pool_b, broken)
-    done: list[str] = []
-    try:
+    with _linked(pool) as (a, b, reg_a, reg_b, broken):
+        cache_a, src = _cache(reg_a, BLOCKS, 11)
+        small_a, small_dest = _cache(reg_a, 1, None)
+        local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
+        small_b, small_src = _cache(reg_b, 1, 12)
+        order = np.random.default_rng(13).permutation(BLOCKS)
+        done: list[str] = []
         async with asyncio.timeout(60):
             pull = _read_batch(local_b, dest_b, cache_a.cache_id, int(src.ctypes.data), order, 2)
             big, _ops = b.submit(READ_REQ, pull)
             big.fut.add_done_callback(lambda _f: done.append("big"))
-            for _ in range(20000):  # until A's worker sends several responses as one job
-                if len(a._tx_outs) > 2 and a._tx_done == 0:
-                    break
-                await asyncio.sleep(0.0005)
+            await _until_joined(a)
             assert len(a._tx_outs) > 2 and a._tx_done == 0
             one = _read_batch(small_a, small_dest, small_b.cache_id, int(small_src.ctypes.data), np.array([0]), 1)
             small, _ops = a.submit(READ_REQ, one)
@@ -233,10 +249,6 @@ async def test_a_joined_send_lets_a_frame_queued_behind_it_go_after_the_frame_it
         assert np.array_equal(small_dest, small_src)
         assert _landed(dest_b, src, order, 2)
         assert not broken
-    finally:
-        a.close()
-        b.close()
-        pool_b.shutdown()
 
 
 @pytest.mark.asyncio
@@ -247,27 +259,18 @@ async def test_a_reply_revoked_behind_a_joined_send_fails_its_read_after_one_fra
     all of Y (a job left to run would send the error only after the last reply of Y)."""
     from kvflow import LLMKvCacheNotExist
 
-    sock_a, sock_b = _pair()
-    reg_a, reg_b = Registry(), Registry()
-    cache_y, src = _cache(reg_a, BLOCKS, 21)
-    cache_x, src_x = _cache(reg_a, 256, 22)
-    local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
-    local_bx, dest_bx = _cache(reg_b, 256, None)
-    broken: list[BaseException] = []
-    a = _channel(sock_a, reg_a, pool, broken)
-    pool_b = pump.Pool(ThreadPoolExecutor(2), True)
-    b = _channel(sock_b, reg_b, pool_b, broken)
-    done: list[str] = []
-    order = np.random.default_rng(23).permutation(BLOCKS)
-    try:
+    with _linked(pool) as (a, b, reg_a, reg_b, broken):
+        cache_y, src = _cache(reg_a, BLOCKS, 21)
+        cache_x, src_x = _cache(reg_a, 256, 22)
+        local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
+        local_bx, dest_bx = _cache(reg_b, 256, None)
+        done: list[str] = []
+        order = np.random.default_rng(23).permutation(BLOCKS)
         async with asyncio.timeout(60):
             big, _ops = b.submit(READ_REQ, _read_batch(local_b, dest_b, cache_y.cache_id, int(src.ctypes.data),
                                                        order, 2))
             big.fut.add_done_callback(lambda _f: done.append("y"))
-            for _ in range(20000):
-                if len(a._tx_outs) > 2 and a._tx_done == 0:
-                    break
-                await asyncio.sleep(0.0005)
+            await _until_joined(a)
             one_mib = _read_batch(local_bx, dest_bx, cache_x.cache_id, int(src_x.ctypes.data), np.arange(256), 1)
             x_read, _ops = b.submit(READ_REQ, one_mib)
             x_read.fut.add_done_callback(lambda _f: done.append("x"))
@@ -285,10 +288,6 @@ async def test_a_reply_revoked_behind_a_joined_send_fails_its_read_after_one_fra
         assert not dest_bx.any()  # nothing of X
         assert _landed(dest_b, src, order, 2)
         assert not broken
-    finally:
-        a.close()
-        b.close()
-        pool_b.shutdown()
 
 
 def test_a_job_across_frames_gives_its_thread_back_at_a_frame_start_when_another_waits() -> None:
