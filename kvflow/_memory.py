@@ -209,7 +209,6 @@ class LocalCache:
     sizes: np.ndarray = field(init=False)
     order: np.ndarray = field(init=False)
     inflight: int = 0
-    closing: bool = False
     unregistering: asyncio.Future[None] | None = None  # the unregister call under way; done when it ends
     idle: asyncio.Event | None = None
     pins: dict[CacheUser | None, int] = field(default_factory=dict)  # who holds the operations (None: us)
@@ -229,6 +228,19 @@ class LocalCache:
         self._order_list: list[int] = self.order.tolist()
         self._addr_list: list[int] = addrs.tolist()
         self._views: list[Any] = [r.view for r in self.regions]  # None for device memory
+        self._closing = False
+        #: ``closing`` where C reads it (a tcp receive job that takes a peer's writes on its own)
+        self.closing_flag = np.zeros(1, np.int32)
+
+    @property
+    def closing(self) -> bool:
+        """Being unregistered: new peer requests on it are refused."""
+        return self._closing
+
+    @closing.setter
+    def closing(self, value: bool) -> None:
+        self._closing = value
+        self.closing_flag[0] = value
 
     @property
     def addr_list(self) -> list[int]:

@@ -66,7 +66,22 @@ def _load() -> Any:
     lib.kvf_job_moved.restype = i64
     lib.kvf_move.argtypes = [cint, ptr, i64, i64, i64, cint, ptr, cint, cint, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr]
     lib.kvf_move.restype = i64
+    lib.kvf_serve.argtypes = [cint, ptr, i64, i64, i64, ptr, cint, cint, ptr, ptr, ptr, ptr]
+    lib.kvf_serve.restype = i64
     return lib
+
+
+class Serve(ctypes.Structure):
+    """kvf_serve's bounds and buffers (``kvf_serve_t`` in kvflow/_pumpc.c): a receive job that goes
+    on through the peer's writes into one cache. ``keep`` holds the arrays its pointers name."""
+
+    _fields_ = [("cache_id", ctypes.c_uint64), ("starts", ctypes.c_void_p), ("sizes", ctypes.c_void_p),
+                ("ntensors", ctypes.c_int64), ("max_frames", ctypes.c_int64), ("max_runs", ctypes.c_int64),
+                ("max_bytes", ctypes.c_int64), ("min_frame", ctypes.c_int64), ("max_frame", ctypes.c_int64),
+                ("frame_runs", ctypes.c_int64), ("hdrs", ctypes.c_void_p), ("runs", ctypes.c_void_p),
+                ("scratch", ctypes.c_void_p), ("closing", ctypes.c_void_p)]
+
+    keep: tuple[Any, ...] = ()
 
 
 _C = _load()
@@ -101,13 +116,17 @@ class Job:
     is read. ``passed`` counts the headers found equal; the first that differs ends the job
     (``mismatch``). That is how one job reads several frames of a stream without the loop thread."""
 
-    __slots__ = ("_applied", "_c", "_iov", "cursor", "expect", "left", "lock", "marks", "mismatch", "passed",
-                 "slots", "stopped")
+    __slots__ = ("_applied", "_c", "_iov", "_total", "cursor", "expect", "left", "lock", "marks", "mismatch",
+                 "passed", "serve", "slots", "stopped")
 
     def __init__(self, cursor: Cursor, left: int, marks: np.ndarray = _NO_MARKS, slots: np.ndarray = _NO_MARKS,
-                 expect: bytes = b"") -> None:
+                 expect: bytes = b"", serve: Serve | None = None) -> None:
         self.cursor = cursor
         self.left = left
+        self._total = left
+        #: a receive that goes on through the peer's next writes (kvf_serve): ``cursor`` and ``left``
+        #: count the first payload only; ``moved()`` counts all
+        self.serve = serve
         self.lock = threading.Lock()
         self.stopped = False
         self.marks = marks  # int64 byte counts from the job's first byte
@@ -142,8 +161,8 @@ class Job:
 
     def moved(self) -> int:
         """Bytes the C loop has moved so far, counted nowhere else (the loop thread may read it while
-        the worker goes on: it writes nothing the worker uses, unlike ``sync``); ``total - left``
-        for a job that is not native or has ended."""
+        the worker goes on: it writes nothing the worker uses, unlike ``sync``); -1 for a job that
+        is not in the C loop."""
         if self._c is None:
             return -1
         passed = ctypes.c_int64(0)
@@ -177,6 +196,8 @@ class Job:
 
     def _apply(self, moved: int) -> None:
         """Count the C loop's bytes up to ``moved`` in the cursor and ``left`` (under ``lock``)."""
+        if self.serve is not None:
+            moved = min(moved, self._total)  # bytes past the first payload are the loop thread's to place
         n = moved - self._applied
         if n > 0:
             self._applied = moved
@@ -240,10 +261,14 @@ def _move_c(sock: socket.socket, job: Job, event: int, waiting: ctypes.c_long) -
     address, count = table.table()
     status, err = ctypes.c_int(0), ctypes.c_int(0)
     marks, slots = job.marks, job.slots
-    _C.kvf_move(sock.fileno(), address, count, limit, table.chunk_bytes, event == select.POLLOUT, job._c,
-                max(1, round(WAIT_S * 1000)), max(1, round(HOLD_S * 1000)), ctypes.byref(waiting), marks.ctypes.data,
-                marks.size, slots.ctypes.data, job.expect, len(job.expect) // marks.size if marks.size else 0,
-                ctypes.byref(status), ctypes.byref(err))
+    wait_ms, hold_ms = max(1, round(WAIT_S * 1000)), max(1, round(HOLD_S * 1000))
+    if job.serve is not None:
+        _C.kvf_serve(sock.fileno(), address, count, limit, table.chunk_bytes, job._c, wait_ms, hold_ms,
+                     ctypes.byref(waiting), ctypes.byref(job.serve), ctypes.byref(status), ctypes.byref(err))
+    else:
+        _C.kvf_move(sock.fileno(), address, count, limit, table.chunk_bytes, event == select.POLLOUT, job._c, wait_ms,
+                    hold_ms, ctypes.byref(waiting), marks.ctypes.data, marks.size, slots.ctypes.data, job.expect,
+                    len(job.expect) // marks.size if marks.size else 0, ctypes.byref(status), ctypes.byref(err))
     job.sync()
     job.mismatch = status.value == _MISMATCH
     if status.value == _CLOSED:

@@ -11,7 +11,9 @@
  * Same rules as kvflow._pump._move: every syscall runs under the job's mutex, and kvf_job_stop takes
  * it, so once kvf_job_stop returns no further byte is read or written. The table is a struct iovec
  * array; a partly moved entry is rewritten in place (base forward, length down), as
- * kvflow._iov.IovCursor does. The module object itself is empty: Python imports it to find the file. */
+ * kvflow._iov.IovCursor does. kvf_serve goes on from one of the peer's writes into the writes after it,
+ * checking each header and run table before any byte of its payload is read. The module object
+ * itself is empty: Python imports it to find the file. */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -218,6 +220,121 @@ int64_t kvf_move(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t ch
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
     }
+    return moved;
+}
+
+/* What a receive job needs to go on through the peer's writes into one cache (kvf_serve). The
+ * loop thread fills it; the worker only reads it, and writes nothing but socket bytes into `hdrs`
+ * and `runs` (so once kvf_job_stop returns, job->moved and those bytes say all there is). */
+typedef struct {
+    uint64_t cache_id;                  /* every frame must name this cache */
+    const uint64_t *starts, *sizes;     /* its host tensors, sorted by start address */
+    int64_t ntensors;
+    int64_t max_frames, max_runs;       /* frames, and runs in all, this job may take (the serving bounds) */
+    int64_t max_bytes;                  /* no further frame once this many payload bytes were taken */
+    int64_t min_frame, max_frame;       /* a frame's payload bytes: more than min_frame, at most max_frame */
+    int64_t frame_runs;                 /* a frame's runs, at most */
+    unsigned char *hdrs;                /* max_frames headers of 32 bytes, end to end, as read */
+    unsigned char *runs;                /* max_runs run table entries of 16 bytes, end to end, as read */
+    struct iovec *scratch;              /* frame_runs entries: the payload table the worker moves through */
+    const volatile int32_t *closing;    /* set by the loop thread once the cache is being unregistered */
+} kvf_serve_t;
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvf_serve reads the wire's little-endian fields in place"
+#endif
+_Static_assert(sizeof(struct iovec) == 16, "kvf_serve moves a payload through its run table as read");
+
+/* Whether the 32-byte header `h` is one this job may take on its own: a write into our cache, within
+ * every bound the loop thread applies, large enough that the loop would hand it to a worker. */
+static int serve_header_ok(const kvf_serve_t *s, const unsigned char *h, int64_t runs_used, uint32_t *count,
+                           uint64_t *total) {
+    uint16_t res;
+    uint64_t cache_id;
+    memcpy(&res, h + 2, 2);
+    memcpy(count, h + 4, 4);
+    memcpy(&cache_id, h + 16, 8);
+    memcpy(total, h + 24, 8);
+    return !*s->closing && h[0] == 3 /* WRITE_REQ */ && h[1] == 0 && res == 0 && cache_id == s->cache_id && *count > 0 &&
+           (int64_t)*count <= s->frame_runs && runs_used + (int64_t)*count <= s->max_runs &&
+           *total > (uint64_t)s->min_frame && *total <= (uint64_t)s->max_frame;
+}
+
+/* Whether every run of `t` lies inside one tensor of the cache, and their lengths add up to `total`. */
+static int serve_runs_ok(const kvf_serve_t *s, const uint64_t *t, uint32_t count, uint64_t total) {
+    uint64_t sum = 0;
+    for (uint32_t k = 0; k < count; k++) {
+        uint64_t addr = t[2 * k], len = t[2 * k + 1];
+        if (len == 0 || len > total - sum) return 0; /* also: the sum cannot pass total, nor overflow */
+        sum += len;
+        int64_t lo = 0, hi = s->ntensors; /* the last tensor starting at or before addr */
+        while (lo < hi) {
+            int64_t mid = lo + (hi - lo) / 2;
+            if (s->starts[mid] <= addr) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo == 0) return 0;
+        uint64_t off = addr - s->starts[lo - 1], size = s->sizes[lo - 1];
+        if (len > size || off > size - len) return 0;
+    }
+    return sum == total;
+}
+
+/* The rest of one of the peer's writes (`iov`, as kvf_move), then the writes that follow it on the
+ * stream, each taken only if its header and runs pass the checks above, all in this call. A frame
+ * that does not pass ends the call right after the header or run table that failed (KVF_MISMATCH),
+ * for the loop thread to act on as on any frame; so does a frame start once a bound is reached
+ * (KVF_DONE), `wait_ms` of quiet there (KVF_QUIET), or another payload waiting for a thread. The
+ * loop thread works out from the byte count alone (and the bytes in hdrs and runs) which frames
+ * landed, which one is partial and where in it the stream stands. */
+int64_t kvf_serve(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, kvf_job *job, int wait_ms,
+                  int hold_ms, const volatile long *waiting, const kvf_serve_t *s, int *status, int *err) {
+    int64_t before = 0, moved = move(fd, iov, n, limit, chunk, 0, job, wait_ms, hold_ms, waiting, NULL, 0, NULL,
+                                     NULL, 0, status, err);
+    int64_t frames = 0, runs_used = 0, bytes = 0;
+    while (*status == KVF_DONE && moved - before == limit) {
+        if (frames >= s->max_frames || bytes >= s->max_bytes) break; /* KVF_DONE at a frame's start */
+        if (*waiting > 0) { /* threads shared by links take turns frame by frame */
+            *status = KVF_QUIET;
+            break;
+        }
+        unsigned char *h = s->hdrs + frames * 32;
+        struct iovec one = { h, 32 };
+        before = moved;
+        limit = 32; /* a header not begun within wait_ms ends the job: what landed is answered now */
+        moved = move(fd, &one, 1, limit, chunk, 0, job, wait_ms, wait_ms, waiting, NULL, 0, NULL, NULL, 0, status,
+                     err);
+        if (*status != KVF_DONE || moved - before < limit) break;
+        uint32_t count;
+        uint64_t total;
+        if (!serve_header_ok(s, h, runs_used, &count, &total)) {
+            *status = KVF_MISMATCH;
+            break;
+        }
+        unsigned char *t = s->runs + runs_used * 16;
+        one.iov_base = t;
+        one.iov_len = (size_t)count * 16;
+        before = moved;
+        limit = (int64_t)count * 16;
+        moved = move(fd, &one, 1, limit, chunk, 0, job, wait_ms, hold_ms, waiting, NULL, 0, NULL, NULL, 0, status,
+                     err);
+        if (*status != KVF_DONE || moved - before < limit) break;
+        if (!serve_runs_ok(s, (const uint64_t *)(const void *)t, count, total)) {
+            *status = KVF_MISMATCH;
+            break;
+        }
+        /* struct iovec is (address, length) as the wire's runs are; a copy, since move rewrites it */
+        memcpy(s->scratch, t, (size_t)count * 16);
+        before = moved;
+        limit = (int64_t)total;
+        moved = move(fd, s->scratch, count, limit, chunk, 0, job, wait_ms, hold_ms, waiting, NULL, 0, NULL, NULL, 0,
+                     status, err);
+        frames++;
+        runs_used += count;
+        bytes += (int64_t)total;
+    }
+    int one = 1; /* the loop's reader gets the socket back as it was */
+    setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
     return moved;
 }
 

@@ -5,7 +5,9 @@ Both ends of a data socket may issue requests. Every frame starts with a 32-byte
 (address, length) pairs. Payload bytes go straight between the socket and registered memory:
 ``sendmsg`` / ``recvmsg_into`` on memoryviews for a few runs, ``sendmsg`` / ``readv`` from an
 iovec table for many (``kvflow._iov``); no copy through Python objects. A peer's request is
-checked against the named cache's tensors before a byte is read or written. When a small frame
+checked against the named cache's tensors before a byte is read or written (by the loop, or, for a
+write that follows another on the same cache, by the worker's C loop with a strict subset of the
+loop's checks: ``_serve_rx``). When a small frame
 is due the channel busy-polls its socket for ``kvflow.tcp.BusyPollUs`` (see ``_expect_soon``).
 """
 
@@ -81,6 +83,9 @@ MAX_OUTSTANDING_FRAMES = 256
 CHAIN_BYTES = 512 << 20
 JOIN_BYTES = 1 << 30
 JOIN_MIN_BYTES = 1 << 20
+#: A receive job that lands a peer's write goes on through the writes after it (``_serve_rx``) up to
+#: about this many bytes, then ends so that the pusher gets their answers while it still sends.
+SERVE_BYTES = 128 << 20
 MAX_OUTSTANDING_RUNS = 1 << 16
 _SCRATCH = memoryview(bytearray(1 << 20))  # where discarded payload goes (shared: nobody reads it)
 _HDR_SIZE = HDR.size
@@ -315,13 +320,22 @@ class _Op:
         self.state = _OP_BACKLOG  # -> _OP_OUT (admitted, counted) -> _OP_DONE (retired or dropped)
 
 
-def _joinable(out: _Out) -> bool:
-    """Whether ``out`` is a large response to a peer's read (from a run table, or at least
-    JOIN_MIN_BYTES): a send job may take several end to end. Anything else queued behind such a
-    job cuts it short (``_cut_tx``), so that it waits for one frame at most, as without joining."""
-    if out.rsp_req is None or out.pinned is None:
+def _bulk(out: _Out) -> bool:
+    """Whether ``out`` sends from a pinned cache: a response to a peer's read, or a write of ours
+    whose caller still waits."""
+    if out.pinned is None:
         return False
-    return out.runs is not None or sum(map(len, out.bufs)) >= JOIN_MIN_BYTES
+    if out.rsp_req is not None:
+        return True
+    op = out.op
+    return op is not None and op.kind == WRITE_REQ and not op.abandoned
+
+
+def _joinable(out: _Out) -> bool:
+    """Whether ``out`` is a large ``_bulk`` frame (from a run table, or at least JOIN_MIN_BYTES): a
+    send job may take several end to end. Anything else queued behind such a job cuts it short
+    (``_cut_tx``), so that it waits for one frame at most, as without joining."""
+    return _bulk(out) and (out.runs is not None or sum(map(len, out.bufs)) >= JOIN_MIN_BYTES)
 
 
 def _beside(job: pump.Job | None, step: Callable[[], None]) -> None:
@@ -636,6 +650,11 @@ class TcpChannel(CacheUser):
         the caller's memory once this returns)."""
         if self._rx_job is not None and not set(ops).isdisjoint([self._payload_op, *self._rx_chain]):
             self._stop_rx()  # the reader then discards the rest
+        job = self._tx_job
+        if job is not None and not {op.out for op in ops}.isdisjoint(self._tx_outs[self._tx_done + 1 :]):
+            job.stop()  # a joined send took writes of these: take back those it has not begun
+            self._tx_job = None
+            self._settle_tx(job)
         for op in ops:
             op.abandoned = True
             out = op.out
@@ -655,6 +674,8 @@ class TcpChannel(CacheUser):
                 self._dropped(out)
                 self._retire(op)
         self._compact()
+        if job is not None and self._tx_job is None and self._closed is None:
+            self._flush()  # the send stopped above goes on without them
 
     # ---------------------------------------------------------------- sending
     def _dropped(self, out: _Out) -> None:
@@ -758,7 +779,7 @@ class TcpChannel(CacheUser):
             self._loop.remove_writer(self._fd)
             self._writer_on = False
         pool = self._workers()
-        job = self._join_tx(out, cur) if pool.native and out.rsp_req is not None and out.pinned is not None else None
+        job = self._join_tx(out, cur) if pool.native and _bulk(out) else None
         job = self._tx_job = job or pump.Job(cur, cur.left)
         fut = pool.send(self._sock, job)
         fut.add_done_callback(partial(self._back, self._tx_back, job))
@@ -988,7 +1009,11 @@ class TcpChannel(CacheUser):
         pool = self._workers()
         if chain is None:
             chain = self._chain() if pool.native else []
-        job = self._rx_job = self._chain_rx(chain) if chain else pump.Job(self._rx, self._left)
+        if chain:
+            job = self._chain_rx(chain)
+        else:
+            job = (self._serve_rx() if pool.native else None) or pump.Job(self._rx, self._left)
+        self._rx_job = job
         self._rx_chain = chain
         fut = pool.receive(self._sock, job)
         fut.add_done_callback(partial(self._back, self._rx_back, job))
@@ -1047,6 +1072,91 @@ class TcpChannel(CacheUser):
         table = IovCursor(np.concatenate(addrs), np.concatenate(lens), CHUNK_BYTES, keep=keep, few_searches=True)
         return pump.Job(table, at, marks, base + np.arange(len(chain), dtype=np.uint64) * np.uint64(_HDR_SIZE),
                         b"".join(expect))
+
+    def _serve_rx(self) -> pump.Job | None:
+        """A receive job for the rest of the peer's write in hand that then goes on through the
+        writes after it into the same host cache, each header and run table checked in C
+        (``kvf_serve``) by a strict subset of the loop's own checks, before any byte of its payload
+        is read; ``_settle_serve`` places what it read. None when the payload is not such a write."""
+        local = self._payload_pin
+        if self._state != _ST_PAYLOAD or self._payload_op is not None or local is None or \
+                local.regions[0].view is None or not iov.AVAILABLE:
+            return None
+        frames = MAX_OUTSTANDING_FRAMES - self._serving_frames
+        runs = MAX_OUTSTANDING_RUNS - self._serving_runs
+        if frames <= 0 or runs <= 0:
+            return None
+        hdrs = np.empty(frames * _HDR_SIZE, np.uint8)
+        tables = np.empty(runs * RUN.itemsize, np.uint8)
+        scratch = np.empty(MAX_RUNS * RUN.itemsize, np.uint8)
+        serve = pump.Serve(local.cache_id, local.starts.ctypes.data, local.sizes.ctypes.data, local.starts.size,
+                           frames, runs, SERVE_BYTES, POLL_BYTES, MAX_FRAME_BYTES, MAX_RUNS, hdrs.ctypes.data,
+                           tables.ctypes.data, scratch.ctypes.data, local.closing_flag.ctypes.data)
+        serve.keep = (local.starts, local.sizes, hdrs, tables, scratch, local.closing_flag)
+        return pump.Job(self._rx, self._left, serve=serve)
+
+    def _settle_serve(self, job: pump.Job) -> None:
+        """The ``_serve_rx`` job ended or was stopped: answer the writes that landed whole, and put
+        the reader where the job left the stream (in a header, a run table or a payload), through
+        the loop's own steps (``_on_header``, ``_on_runs``) for a frame it did not finish."""
+        assert job.serve is not None
+        rest = job.moved() - job._total  # bytes past the first payload (``job.left`` counts that one)
+        self._left = job.left
+        if self._left:
+            return
+        self._payload_done()
+        hdrs, tables = job.serve.keep[2], job.serve.keep[3]
+        answers: list[bytes] = []
+        frames = runs = at = 0
+        while rest > 0 and self._closed is None:
+            got = min(rest, _HDR_SIZE)
+            head = hdrs[frames * _HDR_SIZE : frames * _HDR_SIZE + got]
+            rest -= got
+            _kind, _f, _r, count, req_id, _cache, total = HDR.unpack_from(head) if got == _HDR_SIZE else (0,) * 7
+            table_bytes = count * RUN.itemsize
+            if got == _HDR_SIZE and rest >= table_bytes + total:  # landed whole: checked in C, answered
+                answers.append(HDR.pack(WRITE_RSP, 0, 0, 0, req_id, 0, 0))
+                frames += 1
+                runs += count
+                rest -= table_bytes + total
+                at += table_bytes
+                continue
+            self._answer_served(answers, frames, runs)
+            answers = []
+            self._hdr_mv[:got] = head.data
+            if got < _HDR_SIZE:
+                self._got = got
+                return
+            self._on_header()  # the frame the job was in, as the reader would have read it
+            if self._state != _ST_RUNS:
+                return
+            n = min(rest, table_bytes)
+            self._runs_mv[:n] = tables[at : at + n].data
+            self._got = n
+            rest -= n
+            if n < table_bytes:
+                return
+            self._got = 0
+            self._on_runs()
+            if rest and self._state in (_ST_PAYLOAD, _ST_DISCARD):
+                self._left -= rest
+                if self._state == _ST_PAYLOAD:
+                    self._rx.advance(rest)
+            return
+        self._answer_served(answers, frames, runs)
+
+    def _answer_served(self, answers: list[bytes], frames: int, runs: int) -> None:
+        """Send, as one frame, the answers to ``frames`` writes of ``runs`` runs that a serve job landed."""
+        if not answers:
+            return
+        self._serving_frames += frames
+        self._serving_runs += runs
+
+        def served() -> None:
+            self._serving_frames -= frames
+            self._serving_runs -= runs
+
+        self._send(_Out([b"".join(answers)], on_done=served))
 
     def _settle_rx(self, job: pump.Job, chain: list[_Op]) -> None:
         """The chained receive ``job`` ended or was stopped: the reads it completed are done; the
@@ -1115,6 +1225,12 @@ class TcpChannel(CacheUser):
                 self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
             if job.left == 0 and not job.stopped:
                 self._chain_next()
+            return
+        if job.serve is not None:
+            try:
+                self._settle_serve(job)
+            except LLMException as exc:  # the header or runs that ended the job are bad ones
+                self._fail(exc)
             return
         self._left = job.left
         if self._left == 0:

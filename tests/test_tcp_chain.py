@@ -26,7 +26,7 @@ from kvflow import LLMLinkFailed
 from kvflow import _pump as pump
 from kvflow._iov import IovCursor
 from kvflow._memory import LocalCache, Registry
-from kvflow._tcp import CHUNK_BYTES, HDR, READ_REQ, READ_RSP, RUN, TcpChannel
+from kvflow._tcp import _ST_HDR, CHUNK_BYTES, HDR, READ_REQ, READ_RSP, RUN, WRITE_REQ, WRITE_RSP, TcpChannel
 from kvflow._types import CacheDesc, DataType
 from kvflow.transport import RemoteCache, RunBatch
 
@@ -221,22 +221,41 @@ async def test_a_chained_header_with_a_wrong_size_breaks_the_link_and_writes_not
         peer.close()
 
 
+def _push(a: TcpChannel, reg_a: Registry, reg_b: Registry, seed: int) -> tuple[Any, list[Any], np.ndarray,
+                                                                               np.ndarray, np.ndarray]:
+    """A writes six 8 MiB frames of scattered blocks into B's zeroed cache (block i to block 2 * order[i]):
+    the transfer, its ops, A's blocks, B's memory and the order."""
+    local_a, src = _cache(reg_a, BLOCKS, seed)
+    cache_b, dest = _cache(reg_b, 2 * BLOCKS, None)
+    order = np.random.default_rng(seed + 1).permutation(BLOCKS)
+    xfer, ops = a.submit(WRITE_REQ, _read_batch(local_a, src, cache_b.cache_id, int(dest.ctypes.data), 2 * order, 1))
+    return xfer, ops, src, dest, order
+
+
+@pytest.mark.parametrize("bulk", ["replies to B's pull", "A's push"])
 @pytest.mark.asyncio
-async def test_a_joined_send_lets_a_frame_queued_behind_it_go_after_the_frame_it_is_in(pool: pump.Pool) -> None:
-    """A serves six 8 MiB reads of B's, sent end to end by one worker job. While that job runs, A
-    makes a 4 KiB read of its own: the job is cut after the frame it is in, so A's request reaches
-    B, and its answer comes back, before B has received all it asked for (not after the whole job,
-    which is what a job that went on to its end would do)."""
+async def test_a_joined_send_lets_a_frame_queued_behind_it_go_after_the_frame_it_is_in(pool: pump.Pool,
+                                                                                      bulk: str) -> None:
+    """A sends six 8 MiB frames end to end in one worker job: its replies to six reads of B's, or
+    the writes of a push of its own. While that job runs, A makes a 4 KiB read of its own: the job
+    is cut after the frame it is in, so A's request reaches B, and its answer comes back, before
+    the bulk transfer is done (not after the whole job, which is what a job that went on to its
+    end would do). For a push, B's own job serving the writes ends at the read's header. Every
+    block of the bulk transfer lands where it belongs."""
     with _linked(pool) as (a, b, reg_a, reg_b, broken):
-        cache_a, src = _cache(reg_a, BLOCKS, 11)
         small_a, small_dest = _cache(reg_a, 1, None)
-        local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
         small_b, small_src = _cache(reg_b, 1, 12)
-        order = np.random.default_rng(13).permutation(BLOCKS)
         done: list[str] = []
         async with asyncio.timeout(60):
-            pull = _read_batch(local_b, dest_b, cache_a.cache_id, int(src.ctypes.data), order, 2)
-            big, _ops = b.submit(READ_REQ, pull)
+            if bulk == "A's push":
+                big, _ops, src, dest, order = _push(a, reg_a, reg_b, 53)
+                order = np.argsort(order)  # block i went to 2 * order[i]
+            else:
+                cache_a, src = _cache(reg_a, BLOCKS, 11)
+                local_b, dest = _cache(reg_b, 2 * BLOCKS, None)
+                order = np.random.default_rng(13).permutation(BLOCKS)
+                big, _ops = b.submit(READ_REQ, _read_batch(local_b, dest, cache_a.cache_id, int(src.ctypes.data),
+                                                           order, 2))
             big.fut.add_done_callback(lambda _f: done.append("big"))
             await _until_joined(a)
             assert len(a._tx_outs) > 2 and a._tx_done == 0
@@ -247,25 +266,26 @@ async def test_a_joined_send_lets_a_frame_queued_behind_it_go_after_the_frame_it
             await big.fut
         assert done == ["small", "big"]
         assert np.array_equal(small_dest, small_src)
-        assert _landed(dest_b, src, order, 2)
+        assert _landed(dest, src, order, 2)
         assert not broken
 
 
 @pytest.mark.asyncio
 async def test_a_reply_revoked_behind_a_joined_send_fails_its_read_after_one_frame(pool: pump.Pool) -> None:
-    """A's worker sends six 8 MiB replies to B (cache Y) as one job; a 1 MiB read of B's from A's
+    """A's worker sends sixteen 8 MiB replies to B (cache Y) as one job; a 1 MiB read of B's from A's
     cache X waits behind it. X's unregistration passes its deadline (``revoke``): that reply becomes
     an error, which cuts the job after the frame it is in, so B's read of X fails typed before B has
     all of Y (a job left to run would send the error only after the last reply of Y)."""
     from kvflow import LLMKvCacheNotExist
 
+    blocks = FRAME_BLOCKS * 16  # long enough that the job is still going once X's reply is queued
     with _linked(pool) as (a, b, reg_a, reg_b, broken):
-        cache_y, src = _cache(reg_a, BLOCKS, 21)
+        cache_y, src = _cache(reg_a, blocks, 21)
         cache_x, src_x = _cache(reg_a, 256, 22)
-        local_b, dest_b = _cache(reg_b, 2 * BLOCKS, None)
+        local_b, dest_b = _cache(reg_b, 2 * blocks, None)
         local_bx, dest_bx = _cache(reg_b, 256, None)
         done: list[str] = []
-        order = np.random.default_rng(23).permutation(BLOCKS)
+        order = np.random.default_rng(23).permutation(blocks)
         async with asyncio.timeout(60):
             big, _ops = b.submit(READ_REQ, _read_batch(local_b, dest_b, cache_y.cache_id, int(src.ctypes.data),
                                                        order, 2))
@@ -296,7 +316,9 @@ def test_a_job_across_frames_gives_its_thread_back_at_a_frame_start_when_another
     then runs to its end. Threads shared by links still take turns frame by frame, as when each
     frame was a job of its own (without that, the first job ran all 64 frames first). The first
     job may also give the thread back mid-frame, if its socket stays full for ``WAIT_S`` meanwhile
-    (the rule for a waiting payload that was there before); either way its bytes are exact."""
+    (the rule for a waiting payload that was there before); either way its bytes are exact. The
+    first job's reader starts only once the second job is submitted, so the first cannot end
+    before (on a busy host it once did, and the test failed for want of its precondition)."""
     frame, frames = 1 << 20, 64
     data = np.random.default_rng(31).integers(0, 256, frame * frames, dtype=np.uint8)
     got = [bytearray(frame * frames), bytearray(frame * frames)]
@@ -305,8 +327,12 @@ def test_a_job_across_frames_gives_its_thread_back_at_a_frame_start_when_another
     for a, _b in pairs:
         a.setblocking(False)
 
+    go = threading.Event()  # the first job's reader waits for the second job: until then the first cannot end
+
     def drain(k: int) -> None:
         view, sock = memoryview(got[k]), pairs[k][1]
+        if k == 0:
+            go.wait(30)
         while n := sock.recv_into(view[ends[k] :]):
             ends[k] += n
 
@@ -326,12 +352,14 @@ def test_a_job_across_frames_gives_its_thread_back_at_a_frame_start_when_another
         while first.moved() <= 0 and time.monotonic() < deadline:
             time.sleep(0.0001)
         fut2 = pool.send(pairs[1][0], second)
+        go.set()
         fut1.result(timeout=30)
         fut2.result(timeout=30)
         sent = frame * frames - first.left
         assert 0 < sent < frame * frames, sent
         assert second.left == 0
     finally:
+        go.set()
         executor.shutdown(wait=True)
         for a, _b in pairs:
             a.close()
@@ -341,3 +369,239 @@ def test_a_job_across_frames_gives_its_thread_back_at_a_frame_start_when_another
             b.close()
     assert ends == [sent, frame]
     assert got[0][:sent] == data[:sent].tobytes() and got[1][:frame] == data[:frame].tobytes()
+
+
+# ------------------------------------------------------------- the peer's writes, served in one job
+WRITE_FRAMES = 6
+
+
+def _write_frame(req_id: int, cache_id: int, addrs: list[int], payload: bytes, lens: list[int] | None = None,
+                 total: int | None = None) -> bytes:
+    """A write request as a peer sends it: header, run table, payload (``lens`` and ``total`` as
+    claimed, by default the true ones)."""
+    lens = lens if lens is not None else [BLOCK] * len(addrs)
+    table = struct.pack(f"<{2 * len(addrs)}Q", *(v for pair in zip(addrs, lens) for v in pair))
+    claimed = len(payload) if total is None else total
+    return HDR.pack(WRITE_REQ, 0, 0, len(addrs), req_id, cache_id, claimed) + table + payload
+
+
+async def _write_answers(peer: socket.socket, count: int) -> dict[int, int]:
+    """Read ``count`` write answers off the raw peer socket: status by request id."""
+    loop = asyncio.get_running_loop()
+    peer.setblocking(False)
+    buf = bytearray()
+    while len(buf) < count * HDR.size:
+        buf += await loop.sock_recv(peer, 1 << 16)
+    answers = {}
+    for k in range(count):
+        kind, _f, _r, _n, req_id, status, total = HDR.unpack_from(buf, k * HDR.size)
+        assert kind == WRITE_RSP and total == 0
+        answers[req_id] = status
+    return answers
+
+
+def _watch_serves(ch: TcpChannel) -> list[int]:
+    """For each serve job the channel settles, the bytes it read past its first write's payload."""
+    seen: list[int] = []
+    settle = ch._settle_serve
+
+    def watched(job: pump.Job) -> None:
+        seen.append(job.moved() - job._total)
+        settle(job)
+
+    ch._settle_serve = watched  # type: ignore[method-assign]
+    return seen
+
+
+def _server(pool: pump.Pool, blocks: int, guard: int = 0) -> tuple[TcpChannel, socket.socket, Registry, LocalCache,
+                                                                   np.ndarray, list[BaseException], list[int]]:
+    """Our channel serving a raw peer, and a zeroed cache of ``blocks`` blocks registered on the
+    start of a buffer ``guard`` blocks longer (memory the peer must never reach): the channel, the
+    peer, the registry, the cache, the whole buffer, the broken-link list and the serves seen."""
+    ours, peer = _pair()
+    reg = Registry()
+    mem = np.zeros((blocks + guard) * BLOCK, np.uint8)
+    local = reg.add(CacheDesc(1, DataType.DT_UINT8, [blocks, BLOCK]), [mem[: blocks * BLOCK]])
+    broken: list[BaseException] = []
+    ch = _channel(ours, reg, pool, broken)
+    return ch, peer, reg, local, mem, broken, _watch_serves(ch)
+
+
+@pytest.mark.asyncio
+async def test_writes_served_in_one_job_land_exactly_and_each_is_answered(pool: pump.Pool) -> None:
+    """Six 8 MiB writes of scattered blocks from a raw peer, sent end to end: one receive job takes
+    several of them after the first without the loop checking each (the C loop checks their
+    headers and runs), every block lands where its run says, nothing else is written, and every
+    write gets its own success answer."""
+    src = np.random.default_rng(41).integers(1, 256, BLOCKS * BLOCK, dtype=np.uint8)
+    order = np.random.default_rng(42).permutation(BLOCKS)
+    ch, peer, _reg, local, mem, broken, seen = _server(pool, 2 * BLOCKS)
+    base = int(mem.ctypes.data)
+    frames = []
+    for f in range(WRITE_FRAMES):
+        idx = order[f * FRAME_BLOCKS : (f + 1) * FRAME_BLOCKS]
+        addrs = [base + 2 * int(i) * BLOCK for i in idx]
+        blocks = src[f * FRAME_BLOCKS * BLOCK : (f + 1) * FRAME_BLOCKS * BLOCK].tobytes()
+        frames.append(_write_frame(100 + f, local.cache_id, addrs, blocks))  # block k goes to 2 * order[k]
+    try:
+        async with asyncio.timeout(60):
+            await _send_from_thread(peer, b"".join(frames))
+            answers = await _write_answers(peer, WRITE_FRAMES)
+        assert answers == {100 + f: 0 for f in range(WRITE_FRAMES)}
+        assert _landed(mem, src, np.argsort(order), 2)
+        assert not broken
+        frame_bytes = HDR.size + FRAME_BLOCKS * (RUN.itemsize + BLOCK)
+        assert any(rest >= frame_bytes for rest in seen), seen  # a job went on through a whole write
+    finally:
+        ch.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("attack", ["a run past the cache's end", "the header names another cache",
+                                    "runs longer than the payload", "runs shorter than the payload",
+                                    "a cache being unregistered"])
+@pytest.mark.asyncio
+async def test_a_served_write_the_loop_would_refuse_is_refused_and_writes_nothing(pool: pump.Pool,
+                                                                                  attack: str) -> None:
+    """Attack: a good 8 MiB write, then one the loop's checks refuse, then a good one, end to end.
+    The job serving the first reads the second's header and run table, finds them outside what it
+    may take alone, and ends there; the loop refuses that write typed and discards its payload
+    (whatever it claims, nothing of it lands, in the cache or in the memory just past it), and the
+    third write lands as usual."""
+    from kvflow import LLMKvCacheNotExist, LLMParamInvalid
+
+    blocks = 3 * FRAME_BLOCKS
+    ch, peer, reg, local, mem, broken, seen = _server(pool, blocks, guard=4)
+    other, _other_mem = _cache(reg, 4, None)
+    base = int(mem.ctypes.data)
+    src = np.random.default_rng(43).integers(1, 256, 3 * FRAME_BLOCKS * BLOCK, dtype=np.uint8).reshape(-1, BLOCK)
+    first = [base + i * BLOCK for i in range(FRAME_BLOCKS)]
+    second = [base + (FRAME_BLOCKS + i) * BLOCK for i in range(FRAME_BLOCKS)]
+    third = [base + (2 * FRAME_BLOCKS + i) * BLOCK for i in range(FRAME_BLOCKS)]
+    payload2 = src[FRAME_BLOCKS : 2 * FRAME_BLOCKS].tobytes()
+    cache2, lens2, total2, code = local.cache_id, None, None, int(LLMParamInvalid("").status_code)
+    if attack == "a run past the cache's end":
+        second[-1] = base + blocks * BLOCK - BLOCK // 2  # half of it in the memory after the cache
+    elif attack == "the header names another cache":
+        cache2 = other.cache_id  # registered, but the runs are in ours
+    elif attack == "runs longer than the payload":
+        lens2 = [BLOCK] * (FRAME_BLOCKS - 1) + [2 * BLOCK]  # the header's total is one block short of these
+        total2 = len(payload2)
+    elif attack == "runs shorter than the payload":
+        payload2 += bytes(range(1, 256)) * 16 + b"\x01" * 16  # a block more than the runs hold
+    frames = _write_frame(1, local.cache_id, first, src[:FRAME_BLOCKS].tobytes())
+    bad = _write_frame(2, cache2, second, payload2, lens2, total2)
+    last = _write_frame(3, local.cache_id, third, src[2 * FRAME_BLOCKS :].tobytes())
+    try:
+        async with asyncio.timeout(60):
+            if attack == "a cache being unregistered":
+                code = int(LLMKvCacheNotExist("").status_code)
+                await _send_from_thread(peer, frames[: len(frames) // 2])
+                for _ in range(20000):  # until a worker lands the first write
+                    if ch._rx_job is not None and ch._rx_job.moved() > 0:
+                        break
+                    await asyncio.sleep(0.0002)
+                assert ch._rx_job is not None
+                local.closing = True  # unregister_kv_cache began: new writes on the cache are refused
+                await _send_from_thread(peer, frames[len(frames) // 2 :] + bad)
+                answers = await _write_answers(peer, 2)
+                assert answers == {1: 0, 2: code}
+            else:
+                await _send_from_thread(peer, frames + bad + last)
+                answers = await _write_answers(peer, 3)
+                assert answers == {1: 0, 2: code, 3: 0}, attack
+        view = mem.reshape(-1, BLOCK)
+        assert np.array_equal(view[:FRAME_BLOCKS], src[:FRAME_BLOCKS])
+        assert not view[FRAME_BLOCKS : 2 * FRAME_BLOCKS].any()  # nothing of the refused write
+        assert not view[blocks:].any()  # nor past the cache
+        if attack != "a cache being unregistered":
+            assert np.array_equal(view[2 * FRAME_BLOCKS : blocks], src[2 * FRAME_BLOCKS :])
+        assert not broken
+        at_header = attack in ("the header names another cache", "a cache being unregistered")
+        assert (HDR.size if at_header else HDR.size + FRAME_BLOCKS * RUN.itemsize) in seen, seen  # where it ended
+    finally:
+        ch.close()
+        peer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cache_revoked_while_a_job_serves_a_write_into_it_gets_no_byte_after(pool: pump.Pool) -> None:
+    """A job lands a peer's first write and goes on into the second; half of the second's payload is
+    in when the cache's unregistration passes its deadline (``revoke``). The job is stopped there:
+    the first write is answered with success, the second with the cache's error, and not one byte
+    of the second's other half, nor of a third write, reaches the cache."""
+    from kvflow import LLMKvCacheNotExist
+
+    blocks = 3 * FRAME_BLOCKS
+    ch, peer, _reg, local, mem, broken, seen = _server(pool, blocks)
+    base = int(mem.ctypes.data)
+    src = np.random.default_rng(44).integers(1, 256, blocks * BLOCK, dtype=np.uint8).reshape(-1, BLOCK)
+    frames = [_write_frame(1 + f, local.cache_id, [base + (f * FRAME_BLOCKS + i) * BLOCK for i in range(FRAME_BLOCKS)],
+                           src[f * FRAME_BLOCKS : (f + 1) * FRAME_BLOCKS].tobytes()) for f in range(3)]
+    half = len(frames[0]) + HDR.size + FRAME_BLOCKS * (RUN.itemsize + BLOCK // 2)  # into the second payload
+    stream = b"".join(frames)
+    gone = LLMKvCacheNotExist("cache unregistered")
+    try:
+        async with asyncio.timeout(60):
+            await _send_from_thread(peer, stream[:half])
+            into = half - len(frames[0])  # the bytes the serve job reads past the first payload
+            for _ in range(20000):
+                job = ch._rx_job
+                if job is not None and job.serve is not None and job.moved() - job._total == into:
+                    break
+                await asyncio.sleep(0.0002)
+            assert job is not None and job.serve is not None, "no job went on into the second write"
+            assert job.moved() - job._total == into, "the job did not reach the second payload"
+            local.closing = True
+            ch.revoke(local, gone)
+            landed = mem.copy()
+            await _send_from_thread(peer, stream[half:])
+            answers = await _write_answers(peer, 3)
+        code = int(gone.status_code)
+        assert answers == {1: 0, 2: code, 3: code}
+        view = mem.reshape(-1, BLOCK)
+        assert np.array_equal(view[:FRAME_BLOCKS], src[:FRAME_BLOCKS])
+        assert np.array_equal(mem, landed)  # nothing after the revoke
+        half_bytes = FRAME_BLOCKS * BLOCK // 2
+        second = mem[FRAME_BLOCKS * BLOCK : 2 * FRAME_BLOCKS * BLOCK]
+        assert np.array_equal(second[:half_bytes], src[FRAME_BLOCKS:].reshape(-1)[:half_bytes])
+        assert not second[half_bytes:].any() and not view[2 * FRAME_BLOCKS :].any()
+        assert not broken and seen
+    finally:
+        ch.close()
+        peer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_push_given_up_during_a_joined_send_sends_none_of_the_frames_not_begun(pool: pump.Pool) -> None:
+    """A's worker sends six 8 MiB writes to B as one job, and the caller gives the push up while the
+    job is in its first frames: the job is stopped, the frame it is in goes out whole (the stream
+    must stay in step), and none of the frames it had not begun reaches B."""
+    with _linked(pool) as (a, b, reg_a, reg_b, broken):
+        async with asyncio.timeout(60):
+            push, ops, _src, dest, order = _push(a, reg_a, reg_b, 54)
+            push.fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            settles: list[tuple[int, list[int]]] = []
+            settle = a._settle_tx
+
+            def watched(job: pump.Job) -> None:
+                settles.append((job.moved(), list(a._tx_ends)))  # where the stopped job was, and frame ends
+                settle(job)
+
+            a._settle_tx = watched  # type: ignore[method-assign]
+            await _until_joined(a)
+            a.abandon(ops)
+            assert settles, "the joined send was not stopped"
+            moved, ends = settles[0]
+            begun = 1 + sum(1 for end in ends[:-1] if end < moved)  # frames with a byte sent
+            assert begun < FRAMES, "the joined send had begun every frame before the push was given up"
+            for _ in range(20000):  # until both sides are idle: the begun frames sent, landed and answered
+                if a._tx_job is None and not a._sendq and not a._pending and b._rx_job is None \
+                        and b._state == _ST_HDR and not b._sendq:
+                    break
+                await asyncio.sleep(0.0005)
+            assert not a._pending
+        view = dest.reshape(-1, BLOCK)[::2]
+        landed = [bool(view[order[f * FRAME_BLOCKS : (f + 1) * FRAME_BLOCKS]].any()) for f in range(FRAMES)]
+        assert landed == [f < begun for f in range(FRAMES)], (landed, begun)
+        assert not broken
