@@ -283,8 +283,8 @@ static int serve_runs_ok(const kvf_serve_t *s, const uint64_t *t, uint32_t count
 /* The rest of one of the peer's writes (`iov`, as kvf_move), then the writes that follow it on the
  * stream, each taken only if its header and runs pass the checks above, all in this call. A frame
  * that does not pass ends the call right after the header or run table that failed (KVF_MISMATCH),
- * for the loop thread to act on as on any frame; so does a frame start once a bound is reached
- * (KVF_DONE), `wait_ms` of quiet there (KVF_QUIET), or another payload waiting for a thread. The
+ * for the loop thread to act on as on any frame; so does a frame start once a bound is reached or
+ * with no byte of the next header there yet (KVF_DONE), or another payload waiting for a thread. The
  * loop thread works out from the byte count alone (and the bytes in hdrs and runs) which frames
  * landed, which one is partial and where in it the stream stands. */
 int64_t kvf_serve(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t chunk, kvf_job *job, int wait_ms,
@@ -298,10 +298,16 @@ int64_t kvf_serve(int fd, struct iovec *iov, int64_t n, int64_t limit, int64_t c
             *status = KVF_QUIET;
             break;
         }
+        /* no next header on the socket yet: end now, so that the writes that landed are answered now,
+         * not after a wait (the last write of a push, or a write on its own, would wait for nothing) */
+        int lowat = 1;
+        struct pollfd ready = { fd, POLLIN, 0 };
+        setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat);
+        if (poll(&ready, 1, 0) <= 0) break; /* KVF_DONE at a frame's start */
         unsigned char *h = s->hdrs + frames * 32;
         struct iovec one = { h, 32 };
         before = moved;
-        limit = 32; /* a header not begun within wait_ms ends the job: what landed is answered now */
+        limit = 32; /* a header begun but not whole within wait_ms ends the job too */
         moved = move(fd, &one, 1, limit, chunk, 0, job, wait_ms, wait_ms, waiting, NULL, 0, NULL, NULL, 0, status,
                      err);
         if (*status != KVF_DONE || moved - before < limit) break;
