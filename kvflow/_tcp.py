@@ -1105,58 +1105,46 @@ class TcpChannel(CacheUser):
         if self._left:
             return
         self._payload_done()
-        hdrs, tables = job.serve.keep[2], job.serve.keep[3]
-        answers: list[bytes] = []
+        _starts, _sizes, hdrs, tables, *_ = job.serve.keep
         frames = runs = at = 0
-        while rest > 0 and self._closed is None:
-            got = min(rest, _HDR_SIZE)
-            head = hdrs[frames * _HDR_SIZE : frames * _HDR_SIZE + got]
-            rest -= got
-            _kind, _f, _r, count, req_id, _cache, total = HDR.unpack_from(head) if got == _HDR_SIZE else (0,) * 7
-            table_bytes = count * RUN.itemsize
-            if got == _HDR_SIZE and rest >= table_bytes + total:  # landed whole: checked in C, answered
-                answers.append(HDR.pack(WRITE_RSP, 0, 0, 0, req_id, 0, 0))
-                frames += 1
-                runs += count
-                rest -= table_bytes + total
-                at += table_bytes
-                continue
-            self._answer_served(answers, frames, runs)
-            answers = []
-            self._hdr_mv[:got] = head.data
-            if got < _HDR_SIZE:
-                self._got = got
-                return
-            self._on_header()  # the frame the job was in, as the reader would have read it
-            if self._state != _ST_RUNS:
-                return
-            n = min(rest, table_bytes)
-            self._runs_mv[:n] = tables[at : at + n].data
-            self._got = n
-            rest -= n
-            if n < table_bytes:
-                return
-            self._got = 0
-            self._on_runs()
-            if rest and self._state in (_ST_PAYLOAD, _ST_DISCARD):
-                self._left -= rest
-                if self._state == _ST_PAYLOAD:
-                    self._rx.advance(rest)
+        answers: list[bytes] = []
+        while rest >= _HDR_SIZE:  # the writes that landed whole: checked in C, answered now
+            _kind, _f, _r, count, req_id, _cache, total = HDR.unpack_from(hdrs, frames * _HDR_SIZE)
+            whole = _HDR_SIZE + count * RUN.itemsize + total
+            if rest < whole:
+                break
+            answers.append(HDR.pack(WRITE_RSP, 0, 0, 0, req_id, 0, 0))
+            frames += 1
+            runs += count
+            at += count * RUN.itemsize
+            rest -= whole
+        if answers:
+            self._serving_frames += frames
+            self._serving_runs += runs
+            self._send(_Out([b"".join(answers)], on_done=self._served(runs, frames)))
+        if rest <= 0 or self._closed is not None:
             return
-        self._answer_served(answers, frames, runs)
-
-    def _answer_served(self, answers: list[bytes], frames: int, runs: int) -> None:
-        """Send, as one frame, the answers to ``frames`` writes of ``runs`` runs that a serve job landed."""
-        if not answers:
+        got = min(rest, _HDR_SIZE)  # the frame the job was in, as the reader would have read it
+        self._hdr_mv[:got] = hdrs[frames * _HDR_SIZE : frames * _HDR_SIZE + got].data
+        rest -= got
+        if got < _HDR_SIZE:
+            self._got = got
             return
-        self._serving_frames += frames
-        self._serving_runs += runs
-
-        def served() -> None:
-            self._serving_frames -= frames
-            self._serving_runs -= runs
-
-        self._send(_Out([b"".join(answers)], on_done=served))
+        self._on_header()
+        if self._state != _ST_RUNS:
+            return
+        n = min(rest, len(self._runs_mv))
+        self._runs_mv[:n] = tables[at : at + n].data
+        self._got = n
+        rest -= n
+        if n < len(self._runs_mv):
+            return
+        self._got = 0
+        self._on_runs()
+        if rest and self._state in (_ST_PAYLOAD, _ST_DISCARD):
+            self._left -= rest
+            if self._state == _ST_PAYLOAD:
+                self._rx.advance(rest)
 
     def _settle_rx(self, job: pump.Job, chain: list[_Op]) -> None:
         """The chained receive ``job`` ended or was stopped: the reads it completed are done; the
@@ -1216,21 +1204,18 @@ class TcpChannel(CacheUser):
         chain, self._rx_chain = self._rx_chain, []
         if self._closed is None:
             self._loop.add_reader(self._fd, self._on_readable)
-        if chain:
+        if chain or job.serve is not None:
             try:
-                self._settle_rx(job, chain)
-            except LLMException as exc:  # the header that ended the job is a bad one
+                if chain:
+                    self._settle_rx(job, chain)
+                else:
+                    self._settle_serve(job)
+            except LLMException as exc:  # the header (or run table) that ended the job is a bad one
                 self._fail(exc)
             except OSError as exc:
                 self._fail(LLMLinkFailed(f"data connection lost: {exc}"))
-            if job.left == 0 and not job.stopped:
+            if chain and job.left == 0 and not job.stopped:
                 self._chain_next()
-            return
-        if job.serve is not None:
-            try:
-                self._settle_serve(job)
-            except LLMException as exc:  # the header or runs that ended the job are bad ones
-                self._fail(exc)
             return
         self._left = job.left
         if self._left == 0:
@@ -1364,11 +1349,12 @@ class TcpChannel(CacheUser):
         local.check_host()
         return local, (addrs, lens)
 
-    def _served(self, runs: int) -> Callable[[], None]:
-        """What runs once the response to a peer's request of ``runs`` runs is wholly sent."""
+    def _served(self, runs: int, frames: int = 1) -> Callable[[], None]:
+        """What runs once the response to ``frames`` requests of the peer's, ``runs`` runs in all, is
+        wholly sent."""
 
         def served() -> None:
-            self._serving_frames -= 1
+            self._serving_frames -= frames
             self._serving_runs -= runs
 
         return served
