@@ -59,6 +59,8 @@ def _load() -> Any:
     lib.kvf_job_init.argtypes = [ptr]
     lib.kvf_job_hold.argtypes = [ptr]
     lib.kvf_job_release.argtypes = [ptr]
+    lib.kvf_job_nudge.argtypes = [ptr]
+    lib.kvf_job_unnudge.argtypes = [ptr]
     lib.kvf_job_stop.argtypes = [ptr]
     lib.kvf_job_stop.restype = i64
     lib.kvf_job_cut.argtypes = [ptr, i64]
@@ -188,6 +190,18 @@ class Job:
     def release(self) -> None:
         if self._c is not None:
             _C.kvf_job_release(self._c)
+
+    def nudge(self) -> None:
+        """The calling (loop) thread is about to use the socket in the direction the worker does not:
+        the C loop makes no syscall from now until ``unnudge``, but unlike ``hold`` this does not wait
+        for the worker to come back from the one in progress (the kernel's socket lock orders the two
+        syscalls). A worker off its core with the job's lock held kept ``hold`` waiting up to 0.6 ms."""
+        if self._c is not None:
+            _C.kvf_job_nudge(self._c)
+
+    def unnudge(self) -> None:
+        if self._c is not None:
+            _C.kvf_job_unnudge(self._c)
 
     def _to_c(self) -> None:
         self._iov = self.cursor.as_iov()

@@ -34,7 +34,8 @@ enum { KVF_DONE = 0, KVF_STOPPED = 1, KVF_QUIET = 2, KVF_CLOSED = 3, KVF_ERROR =
 typedef struct {
     pthread_mutex_t lock; /* recursive: the loop thread may stop a job it holds */
     int stopped;
-    int want;      /* the loop thread waits to use the socket: the worker lets it in first */
+    int want;      /* holds and nudges of the loop thread, which waits to use the socket: the worker
+                    * lets it in first */
     int64_t moved; /* bytes moved under this job, all calls together */
     int64_t cut;   /* the loop thread's bound on moved: the job ends there (kvf_job_cut) */
     int64_t passed; /* marks passed: frame headers read and found equal to the ones expected */
@@ -58,14 +59,23 @@ void kvf_job_init(kvf_job *job) {
  * without a pause takes again before a woken loop thread gets to it: the loop waited for
  * milliseconds to read a request. */
 void kvf_job_hold(kvf_job *job) {
-    __atomic_store_n(&job->want, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&job->want, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_lock(&job->lock);
 }
 
 void kvf_job_release(kvf_job *job) {
     pthread_mutex_unlock(&job->lock);
-    __atomic_store_n(&job->want, 0, __ATOMIC_SEQ_CST);
+    __atomic_sub_fetch(&job->want, 1, __ATOMIC_SEQ_CST);
 }
+
+/* The loop thread is about to read (or send) on the socket in the direction the worker does not
+ * use: the worker makes no further syscall until kvf_job_unnudge, and the loop's own syscall waits
+ * in the kernel for at most the worker's syscall in progress. Unlike kvf_job_hold it does not wait
+ * for the worker to run again and unlock: a worker at SCHED_IDLE, put off its core on the way out
+ * of its syscall with the job's lock still held, kept the loop waiting for up to 0.6 ms. */
+void kvf_job_nudge(kvf_job *job) { __atomic_add_fetch(&job->want, 1, __ATOMIC_SEQ_CST); }
+
+void kvf_job_unnudge(kvf_job *job) { __atomic_sub_fetch(&job->want, 1, __ATOMIC_SEQ_CST); }
 
 /* Stop the job at its next syscall boundary (a syscall in progress is waited out); bytes moved. */
 int64_t kvf_job_stop(kvf_job *job) {

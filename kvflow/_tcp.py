@@ -340,15 +340,16 @@ def _joinable(out: _Out) -> bool:
 
 def _beside(job: pump.Job | None, step: Callable[[], None]) -> None:
     """Run ``step``, the loop thread's own reads or sends on a socket that ``job``'s worker thread
-    also uses, with the job's C loop paused meanwhile (``kvflow._pump.Job.hold``)."""
+    uses in the other direction, with the job's C loop making no syscall meanwhile
+    (``kvflow._pump.Job.nudge``)."""
     if job is None or not job.native:
         step()
         return
-    job.hold()
+    job.nudge()
     try:
         step()
     finally:
-        job.release()
+        job.unnudge()
 
 
 class TcpChannel(CacheUser):

@@ -314,3 +314,62 @@ def test_a_held_c_job_reads_nothing_until_released() -> None:
         job.stop()
         fut.result(timeout=10)
         assert job.left == len(dest) - 1000 and dest[:1000] == b"\x02" * 1000
+
+
+def test_a_nudged_c_job_reads_nothing_until_unnudged_even_across_a_hold() -> None:
+    """``nudge()`` (the loop thread is about to use the socket the other way): the C loop makes no
+    syscall until ``unnudge()``, also after a ``hold()``/``release()`` inside it; then it goes on."""
+    with _c_receive(1 << 20) as (rx, tx, dest, job, fut):
+        time.sleep(0.02)
+        assert job.native
+        job.nudge()
+        try:
+            job.hold()
+            job.release()  # the nudge still stands: holds and nudges are counted, not a flag
+            _write_all(tx, b"\x03" * 1000)
+            time.sleep(0.05)
+            assert _read_all(rx, 1000) == b"\x03" * 1000, "the nudged job read bytes meant for the loop thread"
+        finally:
+            job.unnudge()
+        _write_all(tx, b"\x04" * 1000)
+        deadline = time.monotonic() + 10
+        while not dest[999] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        job.stop()
+        fut.result(timeout=10)
+        assert job.left == len(dest) - 1000 and dest[:1000] == b"\x04" * 1000
+
+
+def test_a_nudge_does_not_wait_for_whoever_holds_the_jobs_lock() -> None:
+    """A worker put off its core with the job's lock still held must not keep the loop thread from
+    its socket: ``nudge()`` returns while another thread holds the lock, where ``hold()`` waits."""
+    with _c_receive(1 << 20) as (_, _tx, _dest, job, fut):
+        time.sleep(0.02)
+        locked, done = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            job.hold()  # the lock, as a worker in its syscall has it
+            locked.set()
+            done.wait(10)
+            job.release()
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        try:
+            assert locked.wait(10)
+            nudged = threading.Event()
+
+            def nudge() -> None:
+                job.nudge()
+                nudged.set()
+                job.unnudge()
+
+            other = threading.Thread(target=nudge)
+            other.start()
+            assert nudged.wait(5), "nudge() waited for the job's lock"
+            other.join(5)
+        finally:
+            done.set()
+            thread.join(10)
+        job.stop()
+        fut.result(timeout=10)
