@@ -80,9 +80,16 @@ class IovCursor:
                  "pos")
 
     def __init__(self, addrs: np.ndarray, lens: np.ndarray, chunk_bytes: int, keep: object = None,
-                 few_searches: bool = False) -> None:
+                 few_searches: bool = False, arena: np.ndarray | None = None) -> None:
         n = int(lens.size)
-        self._iov = np.empty(2 * n, dtype=np.uint64)  # struct iovec {void *base; size_t len;}[n]
+        # struct iovec {void *base; size_t len;}[n], then the run ends: in ``arena`` (uint64, at least
+        # 3n) when given, memory the caller reuses while no other cursor uses it
+        if arena is None:
+            self._iov = np.empty(2 * n, dtype=np.uint64)
+            ends = np.cumsum(lens, dtype=np.uint64)
+        else:
+            self._iov = arena[: 2 * n]
+            ends = np.cumsum(lens, dtype=np.uint64, out=arena[2 * n : 3 * n])
         self._iov[0::2] = addrs
         self._iov[1::2] = lens
         self._slots = self._iov.data  # a memoryview: sets one field without a numpy call
@@ -91,7 +98,6 @@ class IovCursor:
         # the runs as given (the table's first iovec of a cut run is rewritten as it is consumed);
         # read only where a run is cut, once per syscall at most
         self._addrs, self._lens = addrs, lens
-        ends = np.cumsum(lens, dtype=np.uint64)
         few = few_searches or (n and int(ends[-1]) <= n * SEARCH_RUN_BYTES)
         self._ends: list[int] | np.ndarray = ends if few else ends.tolist()
         self._hdr = _MsgHdr()

@@ -605,3 +605,23 @@ async def test_a_push_given_up_during_a_joined_send_sends_none_of_the_frames_not
         landed = [bool(view[order[f * FRAME_BLOCKS : (f + 1) * FRAME_BLOCKS]].any()) for f in range(FRAMES)]
         assert landed == [f < begun for f in range(FRAMES)], (landed, begun)
         assert not broken
+
+
+@pytest.mark.asyncio
+async def test_joined_sends_one_after_another_reuse_the_table_memory_and_land_exactly(pool: pump.Pool) -> None:
+    """A pushes twice, each push six frames that its worker sends as one job. The second job builds
+    its table in the memory the first one used (``TcpChannel._tx_table_arena``), and every block of
+    both pushes lands where it belongs, so no table outlived its job."""
+    with _linked(pool) as (a, _b, reg_a, reg_b, broken):
+        arenas = []
+        async with asyncio.timeout(60):
+            for seed in (61, 71):
+                xfer, _ops, src, dest, order = _push(a, reg_a, reg_b, seed)
+                await _until_joined(a)
+                assert len(a._tx_outs) > 2, "the push's frames did not go out in one job"
+                assert a._tx_arena.size >= 5 * FRAME_BLOCKS * 2, "the joined send's table is not in the kept memory"
+                arenas.append(a._tx_arena.ctypes.data)
+                await xfer.fut
+                assert _landed(dest, src, np.argsort(order), 2)
+        assert arenas[0] == arenas[1], "the second joined send did not reuse the first one's table memory"
+        assert not broken
