@@ -813,21 +813,21 @@ class TcpChannel(CacheUser):
         head_addrs, head_lens = cur.as_iov().rest()
         n = head_addrs.size + sum(a.size for a in addrs)
         arena = self._tx_table_arena(n)
-        table = IovCursor(np.concatenate([head_addrs, *addrs], out=None if arena is None else arena[3 * n : 4 * n]),
-                          np.concatenate([head_lens, *lens], out=None if arena is None else arena[4 * n :]),
-                          CHUNK_BYTES, keep=(cur, heads), few_searches=True, arena=arena)
+        table = IovCursor(np.concatenate([head_addrs, *addrs], out=arena[3 * n : 4 * n]),
+                          np.concatenate([head_lens, *lens], out=arena[4 * n :]), CHUNK_BYTES,
+                          keep=(cur, heads), few_searches=True, arena=arena)
         for nxt in outs[1:]:
             nxt.idx = 0  # begun: not to be dropped or replaced unless the job is stopped first (_settle_tx)
         self._tx_outs, self._tx_ends, self._tx_done, self._tx_cut = outs, ends, 0, False
         return pump.Job(table, at, np.array(ends[:-1], np.int64))  # frame starts: where it yields a thread
 
-    def _tx_table_arena(self, n: int) -> np.ndarray | None:
+    def _tx_table_arena(self, n: int) -> np.ndarray:
         """Memory for a joined send's table of ``n`` runs (its runs, iovecs and run ends), kept for the
         next: at most one send job runs per channel, and a new one starts only once the last is done
         or stopped. Fresh arrays for 16k runs cost the loop about 0.5 ms of first touches per join.
-        None past TX_ARENA_RUNS (fresh arrays then): a channel keeps at most 2.5 MiB for this."""
+        Past TX_ARENA_RUNS, fresh memory not kept: a channel keeps at most 2.5 MiB for this."""
         if n > TX_ARENA_RUNS:
-            return None
+            return np.empty(5 * n, np.uint64)
         if self._tx_arena.size < 5 * n:
             self._tx_arena = np.empty(5 << max(n - 1, 0).bit_length(), np.uint64)
         return self._tx_arena[: 5 * n]
